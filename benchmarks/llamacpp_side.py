@@ -1,0 +1,86 @@
+"""llama.cpp's side of the comparisons, through llama-cpp-python (run in its own environment:
+`pip install llama-cpp-python` builds llama.cpp from source). Prints one JSON object.
+
+  python benchmarks/llamacpp_side.py perplexity MODEL.gguf TEXT --ctx 512 --chunks N
+  python benchmarks/llamacpp_side.py greedy MODEL.gguf --ids 504,3575 -n 64
+  python benchmarks/llamacpp_side.py decode MODEL.gguf --threads 1 -n 128
+"""
+
+import argparse
+import json
+import math
+import time
+
+import numpy as np
+from llama_cpp import Llama
+
+
+def load(path, ctx, threads, logits_all=False):
+    return Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads, n_batch=ctx,
+                 logits_all=logits_all, verbose=False)
+
+
+def perplexity(a):
+    llm = load(a.model, a.ctx, a.threads, logits_all=True)
+    text = open(a.text, encoding="utf-8").read()
+    tokens = llm.tokenize(text.encode(), add_bos=False, special=False)
+    n = min(a.chunks, len(tokens) // a.ctx)
+    first = a.ctx // 2
+    nll = []
+    for c in range(n):
+        chunk = tokens[c * a.ctx:(c + 1) * a.ctx]
+        llm.reset()
+        llm.eval(chunk)
+        logits = np.asarray(llm.scores[:a.ctx], np.float64)[first:a.ctx - 1]
+        m = logits.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
+        nll.append(lse - logits[np.arange(len(logits)), chunk[first + 1:]])
+    nll = np.concatenate(nll)
+    ppl = math.exp(nll.mean())
+    return {"ppl": ppl, "stderr": ppl * nll.std(ddof=1) / math.sqrt(len(nll)), "chunks": n, "tokens": len(nll)}
+
+
+def greedy(a):
+    llm = load(a.model, 512, a.threads)
+    ids = [int(x) for x in a.ids.split(",")]
+    llm.reset()
+    llm.eval(ids)
+    out = []
+    for _ in range(a.n):
+        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(t)
+        llm.eval([t])
+    return {"generated": out}
+
+
+def decode(a):
+    """Decode speed: prompt, then n greedy tokens, each one llama_decode of a single token."""
+    llm = load(a.model, 512, a.threads)
+    prompt = llm.tokenize(b"The capital of France is", add_bos=False)
+    llm.reset()
+    llm.eval(prompt)
+    t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t0 = time.perf_counter()
+    for _ in range(a.n):
+        llm.eval([t])
+        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    dt = time.perf_counter() - t0
+    return {"tokens": a.n, "seconds": dt, "tok_s": a.n / dt}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["perplexity", "greedy", "decode"])
+    p.add_argument("model")
+    p.add_argument("text", nargs="?")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=100)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ids", default="")
+    p.add_argument("-n", type=int, default=64)
+    a = p.parse_args()
+    print(json.dumps({"perplexity": perplexity, "greedy": greedy, "decode": decode}[a.what](a)))
+
+
+if __name__ == "__main__":
+    main()

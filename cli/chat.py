@@ -1,0 +1,76 @@
+"""`pinfer chat FILE`: an interactive conversation. /exit, /reset, /system TEXT, /stats, /help.
+Ctrl-C stops the reply being written, not the session; Ctrl-D or /exit ends it."""
+
+from pathlib import Path
+
+import click
+
+from .common import err, fail_cleanly, open_session, runtime_options, sampler_config, sampling_options
+from .common import verbose as is_verbose
+
+HELP = "/exit quit · /reset forget the conversation · /system TEXT set the system prompt · /stats last reply's speed"
+
+
+@click.command("chat")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--system", default=None, help="System prompt.")
+@click.option("-n", "--n-predict", type=int, default=-1, show_default=True, help="Max tokens per reply (-1: no cap).")
+@click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A Jinja chat template to use instead of the model's.")
+@runtime_options
+@sampling_options
+@click.pass_context
+def command(ctx, model, system, n_predict, chat_template_file, **kw):
+    """Chat with a model."""
+    from pinfer.runtime.chat import Conversation
+    from pinfer.runtime.generate import GenerateOptions
+
+    with fail_cleanly(is_verbose(ctx)):
+        session = open_session(model, kw)
+        template = Path(chat_template_file).read_text() if chat_template_file else None
+        conv = Conversation(session, system=system, template=template)
+        opts = GenerateOptions(n_predict=n_predict, sampler=sampler_config(kw))
+    err(f"pinfer chat: {model.name} loaded in {session.model.load_seconds:.1f} s, context {session.n_ctx}. {HELP}")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            click.echo()
+            return
+        except KeyboardInterrupt:
+            click.echo()
+            continue
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit", "/bye"):
+            return
+        if cmd == "/reset":
+            conv.reset()
+            err("[conversation cleared]")
+            continue
+        if cmd.startswith("/system"):
+            conv.system = cmd[len("/system"):].strip() or None
+            conv.reset()
+            err(f"[system prompt {'set' if conv.system else 'cleared'}; conversation cleared]")
+            continue
+        if cmd == "/stats":
+            s = session.stats
+            err(f"prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tok/s, "
+                f"reply {s.decode_tokens} tokens at {s.decode_tps:.1f} tok/s")
+            continue
+        if cmd in ("/help", "/?"):
+            err(HELP)
+            continue
+        conv.turns.append({"role": "user", "content": line})
+        reply = []
+        with fail_cleanly(is_verbose(ctx)):
+            ids = conv.prompt_ids(notice=err)
+            try:
+                for step in session.generate(ids, opts):
+                    reply.append(step.text)
+                    click.echo(step.text, nl=False)
+            except KeyboardInterrupt:
+                err("\n[stopped]")
+        click.echo()
+        conv.turns.append({"role": "assistant", "content": "".join(reply)})

@@ -1,0 +1,79 @@
+"""Options and error handling shared by the verbs."""
+
+import contextlib
+import resource
+import sys
+import traceback
+
+import click
+
+from pinfer.formats import PinfFormatError
+
+
+class UserError(click.ClickException):
+    """One sentence for the user; click prints it as `Error: ...` and exits with 1."""
+
+
+@contextlib.contextmanager
+def fail_cleanly(verbose):
+    """Turn pinfer's own errors (ValueError family, OSError) into one sentence, or a traceback with -v."""
+    try:
+        yield
+    except (ValueError, OSError, PinfFormatError) as e:
+        if verbose:
+            traceback.print_exc()
+        raise UserError(str(e)) from None
+
+
+def verbose(ctx):
+    return bool(ctx.find_root().obj and ctx.find_root().obj.get("verbose"))
+
+
+def peak_rss_mb():
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024
+
+
+def runtime_options(f):
+    f = click.option("-c", "--ctx-size", "n_ctx", type=int, default=0, show_default=True,
+                     help="Context size in tokens (0: the model's, capped at 4096).")(f)
+    f = click.option("-t", "--threads", type=int, default=0, show_default=True,
+                     help="CPU threads (0: all cores).")(f)
+    return f
+
+
+def sampling_options(f):
+    opts = [
+        click.option("-s", "--seed", type=int, default=-1, show_default=True, help="RNG seed (-1: random)."),
+        click.option("--temp", type=float, default=0.8, show_default=True, help="Temperature (0: greedy)."),
+        click.option("--top-k", type=int, default=40, show_default=True, help="Top-k (0: off)."),
+        click.option("--top-p", type=float, default=0.95, show_default=True, help="Top-p (1: off)."),
+        click.option("--min-p", type=float, default=0.05, show_default=True, help="Min-p (0: off)."),
+        click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
+                     help="Repeat penalty (1: off)."),
+        click.option("--repeat-last-n", type=int, default=64, show_default=True,
+                     help="Tokens the repeat penalty looks back over."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def sampler_config(kw):
+    from pinfer.runtime.sample import SamplerConfig
+
+    return SamplerConfig(temp=kw["temp"], top_k=kw["top_k"], top_p=kw["top_p"], min_p=kw["min_p"],
+                         repeat_penalty=kw["repeat_penalty"], repeat_last_n=kw["repeat_last_n"],
+                         seed=kw["seed"])
+
+
+def open_session(path, kw):
+    from pinfer.runtime.generate import Session
+    from pinfer.runtime.model import RuntimeOptions
+
+    return Session(path, RuntimeOptions(n_ctx=kw["n_ctx"], threads=kw["threads"]))
+
+
+def err(msg):
+    click.echo(msg, err=True)
+    sys.stderr.flush()

@@ -1,0 +1,62 @@
+"""`pinfer inspect FILE`: what a .pinf file holds (header, weights, tensors, sizes)."""
+
+import json
+from pathlib import Path
+
+import click
+
+from .common import fail_cleanly
+from .common import verbose as is_verbose
+
+
+def summary(reader):
+    h = reader.header
+    tok = h["tokenizer"]
+    return {
+        "file": str(reader.path),
+        "size_bytes": reader.size,
+        "config": h["config"],
+        "tokenizer": {"model": tok.get("model"), "pre": tok.get("pre"), "vocab": len(tok.get("tokens", [])),
+                      "bos_id": tok.get("bos_id"), "eos_id": tok.get("eos_id"),
+                      "chat_template": bool(tok.get("chat_template"))},
+        "weights": h["weights"],
+        "ffn": h["ffn"],
+        "sparsity": h["sparsity"],
+        "graphs": sorted(h["graphs"]),
+        "provenance": h["provenance"],
+        "tensors": {n: {k: e[k] for k in ("dtype", "shape", "nbytes")} for n, e in h["tensors"].items()},
+    }
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
+@click.option("--tensors/--no-tensors", default=False, help="List every tensor.")
+@click.pass_context
+def command(ctx, path, as_json, tensors):
+    """Show what a .pinf file holds."""
+    from pinfer.formats import PinfReader
+
+    with fail_cleanly(is_verbose(ctx)):
+        s = summary(PinfReader(path))
+    if as_json:
+        click.echo(json.dumps(s, indent=1))
+        return
+    c = s["config"]
+    click.echo(f"{s['file']}: {s['size_bytes'] / 1e6:.1f} MB, .pinf from {s['provenance'].get('source')} "
+               f"(pinfer {s['provenance'].get('pinfer_version')})")
+    click.echo(f"  model      {c['arch']}: {c['n_layer']} layers, d_model {c['d_model']}, n_ff {c['n_ff']}, "
+               f"heads {c['n_head']}/{c['n_head_kv']} x {c['head_dim']}, vocab {c['vocab']}, ctx {c['n_ctx_train']}")
+    t = s["tokenizer"]
+    click.echo(f"  tokenizer  {t['model']}/{t['pre']}, {t['vocab']} tokens, bos {t['bos_id']}, eos {t['eos_id']}, "
+               f"chat template {'yes' if t['chat_template'] else 'no'}")
+    fmts = {}
+    for base, f in s["weights"].items():
+        fmts[f] = fmts.get(f, 0) + 1
+    click.echo(f"  weights    {', '.join(f'{n} {f}' for f, n in sorted(fmts.items()))}")
+    click.echo(f"  sparsity   {s['sparsity']}")
+    total = sum(e["nbytes"] for e in s["tensors"].values())
+    click.echo(f"  tensors    {len(s['tensors'])}, {total / 1e6:.1f} MB")
+    if tensors:
+        for n, e in s["tensors"].items():
+            click.echo(f"    {n:40s} {e['dtype']:4s} {str(tuple(e['shape'])):20s} {e['nbytes'] / 1e6:9.3f} MB")

@@ -1,0 +1,32 @@
+"""`pinfer perplexity FILE -f TEXT -c 512 --chunks N`: llama-perplexity's protocol."""
+
+from pathlib import Path
+
+import click
+
+from .common import err, fail_cleanly, runtime_options
+from .common import verbose as is_verbose
+
+
+@click.command("perplexity")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-f", "--file", "text_file", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="Text to score.")
+@click.option("--chunks", type=int, default=-1, show_default=True, help="Chunks to score (-1: all).")
+@runtime_options
+@click.pass_context
+def command(ctx, model, text_file, chunks, n_ctx, threads):
+    """Perplexity of a text, scored like llama.cpp's llama-perplexity."""
+    from pinfer.runtime.model import Model, RuntimeOptions
+    from pinfer.runtime.perplexity import perplexity
+    from pinfer.runtime.tokenizer import Tokenizer
+
+    n_ctx = n_ctx or 512
+    with fail_cleanly(is_verbose(ctx)):
+        m = Model(model, RuntimeOptions(n_ctx=n_ctx, threads=threads))
+        tok = Tokenizer.from_spec(m.tokenizer_spec)
+        text = Path(text_file).read_text(encoding="utf-8")
+        res = perplexity(m, tok, text, n_ctx=n_ctx, n_chunks=chunks,
+                         on_chunk=lambda i, n, p: err(f"[{i}/{n}] {p:.4f}"))
+    click.echo(f"PPL = {res.ppl:.4f} +/- {res.stderr:.4f} ({res.chunks} chunks of {n_ctx}, "
+               f"{res.tokens_scored} tokens scored)")

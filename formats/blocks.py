@@ -1,0 +1,123 @@
+"""Block formats of `.pinf` weights (schema.BLOCK_FORMATS): conversion from GGUF blocks, quantization
+from floats, and dequantization. Pure NumPy functions over arrays shaped (rows, K)."""
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from .schema import GROUP
+
+# GGUF block byte layouts (gguf-py / ggml-common.h): per block of 32 values
+#   Q4_0: d f16 | qs u8[16]         value i = d*((qs[i] & 15) - 8), value i+16 = d*((qs[i] >> 4) - 8)
+#   Q4_1: d f16 | m f16 | qs u8[16] value i = d*(qs[i] & 15) + m,  value i+16 = d*(qs[i] >> 4) + m
+#   Q8_0: d f16 | qs i8[32]         value i = d*qs[i]
+
+
+def _pairs(nibbles):
+    """(..., 32) values 0..15 -> (..., 16) bytes, element 2i low nibble, 2i+1 high nibble."""
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _unpairs(packed):
+    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
+    out[..., 0::2] = packed & 15
+    out[..., 1::2] = packed >> 4
+    return out
+
+
+def from_gguf(ttype, raw, rows, k):
+    """GGUF raw bytes (rows, bytes per row) -> (format, parts) carried over exactly, or None when
+    the GGUF type has no exact .pinf block format (the caller then dequantizes and re-quantizes)."""
+    nb = k // GROUP
+    if ttype == Q.F32:
+        return "f32", {"w": np.asarray(raw, np.float32).reshape(rows, k)}
+    if ttype == Q.F16:
+        return "f16", {"w": np.asarray(raw).view(np.float16).reshape(rows, k)}
+    raw = np.asarray(raw, np.uint8)
+    if ttype in (Q.Q4_0, Q.Q4_1):
+        has_min = ttype == Q.Q4_1
+        blocks = raw.reshape(rows, nb, 20 if has_min else 18)
+        qs = blocks[..., -16:]
+        vals = np.concatenate([qs & 15, qs >> 4], axis=-1)  # (rows, nb, 32) in element order
+        parts = {"q": _pairs(vals).reshape(rows, k // 2),
+                 "scale": blocks[..., 0:2].copy().view(np.float16).reshape(rows, nb)}
+        if has_min:
+            parts["min"] = blocks[..., 2:4].copy().view(np.float16).reshape(rows, nb)
+        return "q4", parts
+    if ttype == Q.Q8_0:
+        blocks = raw.reshape(rows, nb, 34)
+        q = blocks[..., 2:].view(np.int8).reshape(rows, k)
+        return "q8", {"q": (q.view(np.uint8) ^ 0x80).astype(np.uint8),
+                      "scale": blocks[..., 0:2].copy().view(np.float16).reshape(rows, nb)}
+    return None
+
+
+def quantize(fmt, w):
+    """Float (rows, K) -> parts of `fmt`. q8 is symmetric (Q8_0's rule), q4 asymmetric with a min."""
+    w = np.asarray(w, np.float32)
+    rows, k = w.shape
+    if fmt == "f32":
+        return {"w": w.copy()}
+    if fmt == "f16":
+        return {"w": w.astype(np.float16)}
+    g = w.reshape(rows, k // GROUP, GROUP)
+    if fmt == "q8":
+        amax = np.abs(g).max(axis=-1)
+        scale = (amax / 127).astype(np.float16)
+        inv = np.divide(1.0, scale.astype(np.float32), out=np.zeros_like(amax), where=scale != 0)
+        q = np.clip(np.rint(g * inv[..., None]), -127, 127).astype(np.int8)
+        return {"q": (q.view(np.uint8) ^ 0x80).reshape(rows, k), "scale": scale}
+    if fmt == "q4":
+        lo, hi = g.min(axis=-1), g.max(axis=-1)
+        scale = ((hi - lo) / 15).astype(np.float16)
+        mn = lo.astype(np.float16)
+        s32 = scale.astype(np.float32)
+        inv = np.divide(1.0, s32, out=np.zeros_like(s32), where=s32 != 0)
+        q = np.clip(np.rint((g - mn.astype(np.float32)[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+        return {"q": _pairs(q).reshape(rows, k // 2), "scale": scale, "min": mn}
+    raise ValueError(f"unknown block format {fmt!r}")
+
+
+def dequantize(fmt, parts, rows=None):
+    """Parts of `fmt` -> float32 (n, K); `rows` (an index array) selects rows before the work."""
+    sel = (lambda a: a) if rows is None else (lambda a: a[rows])
+    if fmt in ("f32", "f16"):
+        return sel(parts["w"]).astype(np.float32)
+    scale = sel(parts["scale"]).astype(np.float32)
+    n, nb = scale.shape
+    if fmt == "q8":
+        q = (sel(parts["q"]) ^ 0x80).view(np.int8).astype(np.float32).reshape(n, nb, GROUP)
+        return (q * scale[..., None]).reshape(n, nb * GROUP)
+    if fmt == "q4":
+        q = _unpairs(sel(parts["q"])).astype(np.float32).reshape(n, nb, GROUP)
+        if "min" in parts:
+            w = q * scale[..., None] + sel(parts["min"]).astype(np.float32)[..., None]
+        else:
+            w = (q - 8) * scale[..., None]
+        return w.reshape(n, nb * GROUP)
+    raise ValueError(f"unknown block format {fmt!r}")
+
+
+def dequantize_gguf(ttype, raw, rows, k):
+    return quants.dequantize(np.asarray(raw), ttype).reshape(rows, k).astype(np.float32, copy=False)
+
+
+def with_min(parts):
+    """q4 parts with an explicit min: a min-less block's value scale*(q - 8) has min = -8*scale
+    (exact in f16: a power-of-two multiple)."""
+    if "min" in parts:
+        return parts
+    return dict(parts, min=(parts["scale"].astype(np.float32) * -8).astype(np.float16))
+
+
+def concat_rows(blocks):
+    """Stack [(fmt, parts), ...] with equal K along rows; q4 with and without min mix by giving the
+    min-less ones min = -8*scale (exact in f16: a power-of-two multiple)."""
+    fmts = {f for f, _ in blocks}
+    if len(fmts) != 1:
+        raise ValueError(f"cannot concatenate block formats {sorted(fmts)}")
+    fmt = fmts.pop()
+    names = set().union(*(p.keys() for _, p in blocks))
+    if fmt == "q4" and "min" in names:
+        blocks = [(f, with_min(p)) for f, p in blocks]
+    return fmt, {n: np.concatenate([p[n] for _, p in blocks], axis=0) for n in names}

@@ -1,0 +1,125 @@
+"""Reads a `.pinf` file through a memory map, validating everything before it is used."""
+
+import hashlib
+import json
+import mmap
+from pathlib import Path
+
+import numpy as np
+
+from . import schema as S
+from .schema import PinfFormatError
+
+
+class PinfReader:
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            f = open(self.path, "rb")
+        except OSError as e:
+            raise PinfFormatError(f"cannot open {self.path}: {e.strerror}; check the path") from None
+        with f:
+            self.size = self.path.stat().st_size
+            if self.size < S.PREAMBLE_SIZE:
+                raise PinfFormatError(f"{self.path} is {self.size} bytes, too short for a .pinf file; "
+                                      "it is truncated or not a .pinf file")
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.header = self._read_header()
+        self.tensors = self.header["tensors"]
+        self._check_directory()
+
+    # -- validation -------------------------------------------------------------------------
+    def _fail(self, what):
+        raise PinfFormatError(f"{self.path}: {what}; re-run `pinfer convert` to make a new file")
+
+    def _read_header(self):
+        magic, version, _, off, length, digest = S.PREAMBLE.unpack_from(self._mm, 0)
+        if magic != S.MAGIC:
+            raise PinfFormatError(f"{self.path} does not start with the .pinf magic (found {magic[:8]!r}); "
+                                  "pass a file written by `pinfer convert`")
+        if version != S.FORMAT_VERSION:
+            raise PinfFormatError(f"{self.path} is .pinf format version {version}, this pinfer reads "
+                                  f"version {S.FORMAT_VERSION}; convert the model again with this pinfer")
+        if not (S.PREAMBLE_SIZE <= off and length <= S.MAX_HEADER_BYTES and off + length <= self.size):
+            self._fail(f"the header (offset {off}, {length} bytes) lies outside the {self.size}-byte file")
+        blob = self._mm[off:off + length]
+        if hashlib.sha256(blob).digest() != digest:
+            self._fail("the header checksum does not match (the file is damaged)")
+        try:
+            header = json.loads(blob)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            self._fail(f"the header is not valid JSON ({e})")
+        if not isinstance(header, dict) or any(k not in header for k in S.HEADER_KEYS):
+            self._fail(f"the header lacks some of the keys {list(S.HEADER_KEYS)}")
+        self.data_end = off
+        return header
+
+    def _check_directory(self):
+        d = self.tensors
+        if not isinstance(d, dict) or len(d) > S.MAX_TENSORS:
+            self._fail("the tensor directory is malformed")
+        spans = []
+        for name, e in d.items():
+            try:
+                dtype = S.DTYPES[e["dtype"]]
+                shape = e["shape"]
+                off, nbytes = e["offset"], e["nbytes"]
+                ok = (isinstance(shape, list) and len(shape) <= S.MAX_DIMS
+                      and all(isinstance(n, int) and n >= 0 for n in shape)
+                      and isinstance(off, int) and isinstance(nbytes, int)
+                      and isinstance(e["sha256"], str))
+            except (KeyError, TypeError):
+                ok = False
+            if not ok:
+                self._fail(f"tensor {name!r} has a malformed directory entry")
+            if nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                self._fail(f"tensor {name!r} claims {nbytes} bytes for shape {shape} {e['dtype']}")
+            if off % S.ALIGNMENT or off < S.ALIGNMENT or off + nbytes > self.data_end:
+                self._fail(f"tensor {name!r} at offset {off} (+{nbytes}) is misaligned or outside the data")
+            spans.append((off, off + nbytes, name))
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                self._fail(f"tensors {a!r} and {b!r} overlap")
+
+    # -- access ------------------------------------------------------------------------------
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def tensor(self, name):
+        """A read-only NumPy view of the memory map (no copy)."""
+        e = self.tensors.get(name)
+        if e is None:
+            self._fail(f"the tensor {name!r} is missing")
+        a = np.frombuffer(self._mm, S.DTYPES[e["dtype"]], count=e["nbytes"] // S.DTYPES[e["dtype"]].itemsize,
+                          offset=e["offset"])
+        return a.reshape(e["shape"])
+
+    def block(self, base):
+        """The parts of a block-format weight `base` as a dict part -> array, plus its format."""
+        fmt = self.header["weights"].get(base)
+        if fmt not in S.BLOCK_FORMATS:
+            self._fail(f"the weight {base!r} has unknown block format {fmt!r}")
+        return fmt, {p: self.tensor(S.part_name(base, p)) for p in S.BLOCK_FORMATS[fmt]
+                     if S.part_name(base, p) in self.tensors}
+
+    def graph_bytes(self, name):
+        """The serialized onnx.ModelProto of graph `name` (a key of the header's "graphs")."""
+        return self.tensor(self.header["graphs"][name]).tobytes()
+
+    def verify(self, progress=None):
+        """Check every tensor's checksum; returns the names of the damaged ones."""
+        bad = []
+        for name, e in self.tensors.items():
+            h = hashlib.sha256(self._mm[e["offset"]:e["offset"] + e["nbytes"]]).hexdigest()
+            if h != e["sha256"]:
+                bad.append(name)
+            if progress:
+                progress(e["nbytes"])
+        return bad
+
+    def close(self):
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # NumPy views still alive; the map closes when they go

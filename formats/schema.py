@@ -1,0 +1,100 @@
+"""The `.pinf` file: the one place that knows its bytes. Reader and writer both import this.
+
+Layout (little-endian):
+
+    offset 0        preamble, PREAMBLE_SIZE bytes:
+                      magic            8s   MAGIC
+                      version          u32  FORMAT_VERSION
+                      reserved         u32  0
+                      header_offset    u64  where the JSON header starts
+                      header_length    u64  its length in bytes
+                      header_sha256    32s  SHA-256 of the header bytes
+                      zero padding up to PREAMBLE_SIZE
+    offset 4096     tensor data, each tensor starting on an ALIGNMENT boundary
+    header_offset   UTF-8 JSON header (after the data, so tensors stream out as they are made
+                    and the header, which holds their checksums, is written last)
+
+The header is a JSON object with the keys in HEADER_KEYS. Its "tensors" entry is the directory:
+name -> {"dtype", "shape", "offset", "nbytes", "sha256"}; every offset is absolute, aligned, and
+inside the file. ONNX graphs are stored as uint8 tensors named GRAPH.format(name).
+"""
+
+import struct
+
+import numpy as np
+
+MAGIC = b"PINF\x00\r\n\x1a"
+FORMAT_VERSION = 1
+ALIGNMENT = 4096
+PREAMBLE = struct.Struct("<8sII QQ32s")
+PREAMBLE_SIZE = 128
+
+# Sanity limits, checked before anything is allocated.
+MAX_HEADER_BYTES = 1 << 30
+MAX_TENSORS = 1 << 20
+MAX_DIMS = 8
+
+# dtype code in the directory -> numpy dtype (always little-endian)
+DTYPES = {
+    "u8": np.dtype("<u1"),
+    "i8": np.dtype("<i1"),
+    "i32": np.dtype("<i4"),
+    "f16": np.dtype("<f2"),
+    "f32": np.dtype("<f4"),
+}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+
+# "weights" maps each block-format weight base name to its format (a key of BLOCK_FORMATS).
+HEADER_KEYS = ("config", "tokenizer", "weights", "ffn", "sparsity", "layers", "plan", "graphs", "provenance",
+               "tensors")
+
+# Weight block formats. A weight W of shape (rows, K) in format F is stored as the tensors
+# `{base}.{part}` for each part of F, with these shapes (K is the reduction axis of MatMulNBits'
+# [N, K] convention, and the axis along which groups of GROUP run):
+#   q4:  q u8 (rows, K/2)   element 2i in the low nibble of byte i, 2i+1 in the high nibble
+#        scale f16 (rows, K/GROUP)
+#        min f16 (rows, K/GROUP), optional: value = scale*q + min; without it scale*(q - 8)
+#   q8:  q i8 (rows, K), scale f16 (rows, K/GROUP): value = scale*q
+#   f16: w f16 (rows, K)
+#   f32: w f32 (rows, K)
+GROUP = 32
+BLOCK_FORMATS = {
+    "q4": ("q", "scale", "min"),
+    "q8": ("q", "scale"),
+    "f16": ("w",),
+    "f32": ("w",),
+}
+
+# Tensor-name templates (GGUF style, so names read the same as in the source file).
+TOKEN_EMBD = "token_embd"                   # (vocab, d_model) rows looked up per token
+OUTPUT = "output"                           # (vocab, d_model) LM head; absent when tied
+OUTPUT_NORM = "output_norm.weight"          # (d_model,)
+ATTN_NORM = "blk.{}.attn_norm.weight"       # (d_model,)
+ATTN_QKV = "blk.{}.attn_qkv"                # ((n_head + 2 n_head_kv) head_dim, d_model) q, k, v rows
+ATTN_OUT = "blk.{}.attn_output"             # (d_model, n_head head_dim)
+FFN_NORM = "blk.{}.ffn_norm.weight"         # (d_model,)
+FFN_GATE_UP = "blk.{}.ffn_gate_up"          # (n_ff, 2, d_model) neuron j: gate row, up row
+FFN_DOWN_T = "blk.{}.ffn_down_t"            # (n_ff, d_model) column j of W_down as row j
+ROPE_COS = "rope.cos"                       # (max_ctx, rotary_dim/2) f32
+ROPE_SIN = "rope.sin"                       # (max_ctx, rotary_dim/2) f32
+GRAPH = "graph.{}"                          # serialized onnx.ModelProto, u8 (nbytes,)
+
+# Graph names: one per layer plus the head.
+LAYER_GRAPH = "layer.{}"
+HEAD_GRAPH = "head"
+
+# ONNX initializers that live in the .pinf point at it through this external-data location; the
+# runtime binds them to views of the memory map, so the name is a placeholder, never a path.
+EXTERNAL_LOCATION = "pinf:"
+
+
+def part_name(base, part):
+    return f"{base}.{part}"
+
+
+def align(n, a=ALIGNMENT):
+    return (n + a - 1) // a * a
+
+
+class PinfFormatError(ValueError):
+    """The one error the reader raises: a sentence saying what was found and what to do."""

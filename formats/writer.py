@@ -1,0 +1,102 @@
+"""Writes a `.pinf` file: tensors stream out as they are made, the header goes last.
+
+The writer is a small state machine (open -> tensors -> finished) that refuses calls in the wrong
+order. It writes to `<dest>.partial`, fsyncs and renames, so the destination either holds a
+complete file or is untouched.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from . import schema as S
+
+
+def partial_path(dest):
+    dest = Path(dest)
+    return dest.with_name(dest.name + ".partial")
+
+
+class PinfWriter:
+    def __init__(self, dest):
+        self.dest = Path(dest)
+        self.tmp = partial_path(self.dest)
+        self._f = open(self.tmp, "wb")
+        self._f.write(b"\0" * S.ALIGNMENT)  # preamble slot, filled in by finish()
+        self._dir = {}
+        self._state = "open"
+
+    def add_tensor(self, name, array):
+        """Append one tensor; returns its directory entry."""
+        self._require("open")
+        if name in self._dir:
+            raise ValueError(f"tensor {name!r} was already written")
+        a = np.ascontiguousarray(array)
+        code = S.DTYPE_CODES.get(a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype)
+        if code is None:
+            raise ValueError(f"tensor {name!r} has dtype {a.dtype}, which .pinf does not store")
+        a = a.astype(S.DTYPES[code], copy=False)
+        offset = S.align(self._f.tell())
+        self._f.write(b"\0" * (offset - self._f.tell()))
+        data = memoryview(a.reshape(-1).view(np.uint8))
+        self._f.write(data)
+        entry = {
+            "dtype": code,
+            "shape": list(a.shape),
+            "offset": offset,
+            "nbytes": a.nbytes,
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+        self._dir[name] = entry
+        return entry
+
+    @property
+    def directory(self):
+        """name -> directory entry of every tensor written so far."""
+        return self._dir
+
+    def add_bytes(self, name, blob):
+        return self.add_tensor(name, np.frombuffer(blob, np.uint8))
+
+    def finish(self, header):
+        """Write `header` (every key of schema.HEADER_KEYS but "tensors") and publish the file."""
+        self._require("open")
+        missing = [k for k in S.HEADER_KEYS if k != "tensors" and k not in header]
+        unknown = [k for k in header if k not in S.HEADER_KEYS or k == "tensors"]
+        if missing or unknown:
+            raise ValueError(f"header keys missing {missing} / not allowed {unknown}")
+        full = dict(header, tensors=self._dir)
+        blob = json.dumps(full, separators=(",", ":"), ensure_ascii=False).encode()
+        header_offset = S.align(self._f.tell(), 8)
+        self._f.write(b"\0" * (header_offset - self._f.tell()))
+        self._f.write(blob)
+        pre = S.PREAMBLE.pack(S.MAGIC, S.FORMAT_VERSION, 0, header_offset, len(blob),
+                              hashlib.sha256(blob).digest())
+        self._f.seek(0)
+        self._f.write(pre.ljust(S.PREAMBLE_SIZE, b"\0"))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.tmp, self.dest)
+        self._state = "finished"
+        return self.dest
+
+    def abort(self):
+        if self._state == "open":
+            self._f.close()
+            self.tmp.unlink(missing_ok=True)
+            self._state = "aborted"
+
+    def _require(self, state):
+        if self._state != state:
+            raise RuntimeError(f"PinfWriter is {self._state}, expected {state}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.abort()  # no-op after finish(); removes the partial file on any error
+        return False

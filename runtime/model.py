@@ -1,0 +1,193 @@
+"""The dense runtime: one ONNX Runtime session per layer and one for the head, called through
+IOBinding over NumPy buffers that are bound once (DESIGN.md §4).
+
+Per token: embedding rows (NumPy, from the file's block format) -> layer 0 .. n-1 -> head. Each
+layer session takes (resid, delta), delta being the previous layer's FFN output, and returns
+(resid', h) with h = act(gate)*up; pinfer's kernel turns h into the next delta from the
+neuron-major down_t bundle. Residual adds ride inside SkipSimplifiedLayerNormalization. The KV cache is one buffer per layer
+and per K/V, bound as both past and present (GroupQueryAttention writes in place).
+"""
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from pinfer.formats import PinfReader, blocks
+from pinfer.formats import schema as S
+from pinfer.formats.config import ModelConfig
+from pinfer.kernels import DownProjection
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    n_ctx: int = 0          # 0: the model's training context, capped at DEFAULT_CTX
+    threads: int = 0        # 0: all cores
+    verbose: bool = False
+
+
+DEFAULT_CTX = 4096
+
+
+def rope_tables(cfg, n_ctx, freq_divisors=None):
+    """cos/sin caches (n_ctx, rotary_dim/2) for positions 0..n_ctx-1."""
+    half = cfg.rotary_dim // 2
+    inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2 / cfg.rotary_dim)
+    if freq_divisors is not None:
+        inv = inv / np.asarray(freq_divisors, np.float64)
+    pos = np.arange(n_ctx, dtype=np.float64) / cfg.rope_linear_scale
+    ang = np.outer(pos, inv)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def _session_options(threads):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # Sessions run one after another on the same cores: spinning pools would fight each other.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
+class _Bound:
+    """A session with one IOBinding whose inputs and outputs are NumPy arrays bound by name."""
+
+    def __init__(self, session):
+        self.sess = session
+        self.io = session.io_binding()
+        self._run = session._sess.run_with_iobinding   # the raw call: ~2 µs against ~50 µs
+        self._ro = ort.RunOptions()
+        self.keep = {}
+
+    def bind_in(self, name, array):
+        self.keep[name] = array
+        self.io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+
+    def bind_out(self, name, array):
+        self.keep["out:" + name] = array
+        self.io.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+
+    def run(self):
+        self._run(self.io._iobinding, self._ro)
+
+
+class Model:
+    """A loaded `.pinf` model with its KV cache. Not thread-safe: one sequence at a time."""
+
+    def __init__(self, path, options=RuntimeOptions()):
+        t0 = time.perf_counter()
+        self.reader = r = PinfReader(path)
+        self.cfg = cfg = ModelConfig.from_dict(r.header["config"])
+        self.options = options
+        self.n_ctx = options.n_ctx or min(cfg.n_ctx_train, DEFAULT_CTX)
+        self.threads = options.threads or os.cpu_count() or 1
+        self.tokenizer_spec = r.header["tokenizer"]
+        self.embd_format, self.embd_parts = r.block(S.TOKEN_EMBD)
+
+        so_threads = self.threads
+        self.layers = [self._session(S.LAYER_GRAPH.format(i), so_threads) for i in range(cfg.n_layer)]
+        self.head = self._session(S.HEAD_GRAPH, so_threads)
+        self.downs = [DownProjection(*r.block(S.FFN_DOWN_T.format(i)), self.threads) for i in range(cfg.n_layer)]
+
+        kv_shape = (1, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
+        self.kv = [(np.zeros(kv_shape, np.float32), np.zeros(kv_shape, np.float32)) for _ in range(cfg.n_layer)]
+        freqs = r.tensor("rope_freqs") if "rope_freqs" in r else None
+        self.cos, self.sin = rope_tables(cfg, self.n_ctx, freqs)
+        self.seqlens = np.zeros(1, np.int32)     # GroupQueryAttention: total length - 1
+        self.total = np.zeros((), np.int32)      # total length after this call
+        for i, layer in enumerate(self.layers):
+            k, v = self.kv[i]
+            for name, a in (("past_key", k), ("past_value", v), ("seqlens_k", self.seqlens),
+                            ("total_len", self.total), ("cos_cache", self.cos), ("sin_cache", self.sin)):
+                layer.bind_in(name, a)
+            layer.bind_out("present_key", k)
+            layer.bind_out("present_value", v)
+        self._shape = None       # the sequence length the activation buffers are bound for
+        self.n_past = 0
+        self.load_seconds = time.perf_counter() - t0
+
+    def _session(self, graph, threads):
+        proto = onnx.load_from_string(self.reader.graph_bytes(graph))
+        names, values = [], []
+        for t in proto.graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                names.append(t.name)
+                values.append(ort.OrtValue.ortvalue_from_numpy(self.reader.tensor(t.name)))
+        so = _session_options(threads)
+        so.add_external_initializers(names, values)
+        sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        bound = _Bound(sess)
+        bound.keep["initializers"] = values   # ORT uses these buffers; keep them alive
+        return bound
+
+    # -- activations ---------------------------------------------------------------------------
+    def _bind_activations(self, n):
+        """(Re)bind the activation buffers for a call over n tokens."""
+        if self._shape == n:
+            return
+        d = self.cfg.d_model
+        # resid ping-pongs (layer i reads resid[i % 2]); delta and h are reused by every layer:
+        # layer i consumes delta before its down projection overwrites it.
+        self.resid = [np.zeros((1, n, d), np.float32) for _ in range(2)]
+        self.delta = np.zeros((1, n, d), np.float32)
+        self.h = np.zeros((1, n, self.cfg.n_ff), np.float32)
+        self.steps = []
+        for i, layer in enumerate(self.layers):
+            layer.bind_in("resid", self.resid[i % 2])
+            layer.bind_in("delta", self.delta)
+            layer.bind_out("resid_out", self.resid[(i + 1) % 2])
+            layer.bind_out("ffn_h", self.h)
+            self.steps += [layer.run, self.downs[i].bind(self.h[0], self.delta[0])]
+        self._shape = n
+
+    def embed(self, tokens):
+        return blocks.dequantize(self.embd_format, self.embd_parts, rows=np.asarray(tokens))
+
+    def reset(self):
+        self.n_past = 0
+
+    def forward(self, tokens, logits_from=None):
+        """Run `tokens` after the cached ones; returns logits (n, vocab) for positions
+        logits_from.. of this call (default: the last one only)."""
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("forward() needs at least one token")
+        if self.n_past + n > self.n_ctx:
+            raise ContextFull(self.n_past, n, self.n_ctx)
+        self._bind_activations(n)
+        self.resid[0][0] = self.embed(tokens)
+        self.delta.fill(0)
+        self.seqlens[0] = self.n_past + n - 1
+        self.total[()] = self.n_past + n
+        for step in self.steps:
+            step()
+        self.n_past += n
+        start = n - 1 if logits_from is None else logits_from
+        return self.head_logits(self.resid[self.cfg.n_layer % 2][:, start:], self.delta[:, start:])
+
+    def head_logits(self, resid, delta):
+        m = resid.shape[1]
+        if getattr(self, "_head_shape", None) != m:
+            self._head_in = (np.empty((1, m, self.cfg.d_model), np.float32),
+                             np.empty((1, m, self.cfg.d_model), np.float32))
+            self._logits = np.empty((1, m, self.cfg.vocab), np.float32)
+            self.head.bind_in("resid", self._head_in[0])
+            self.head.bind_in("delta", self._head_in[1])
+            self.head.bind_out("logits", self._logits)
+            self._head_shape = m
+        self._head_in[0][...] = resid
+        self._head_in[1][...] = delta
+        self.head.run()
+        return self._logits[0]
+
+
+class ContextFull(ValueError):
+    def __init__(self, n_past, n, n_ctx):
+        super().__init__(f"the context holds {n_past} tokens and {n} more do not fit in its {n_ctx}; "
+                         "raise -c/--ctx-size or start a new conversation")
+        self.n_past, self.n, self.n_ctx = n_past, n, n_ctx

@@ -1,0 +1,50 @@
+"""Block formats against gguf-py's own quantizers and dequantizers (the independent reference)."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from pinfer.formats import blocks
+
+RNG = np.random.default_rng(7)
+W = (RNG.standard_normal((48, 96)) * np.exp(RNG.standard_normal((48, 1)))).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype, fmt", [(Q.Q4_0, "q4"), (Q.Q4_1, "q4"), (Q.Q8_0, "q8"), (Q.F16, "f16"), (Q.F32, "f32")])
+def test_gguf_blocks_carry_over_exactly(qtype, fmt):
+    raw = quants.quantize(W, qtype) if qtype not in (Q.F32,) else W
+    if qtype == Q.F16:
+        raw = W.astype(np.float16).view(np.uint8)
+    got_fmt, parts = blocks.from_gguf(qtype, raw, *W.shape)
+    assert got_fmt == fmt
+    ref = quants.dequantize(raw, qtype).reshape(W.shape) if qtype != Q.F32 else W
+    np.testing.assert_array_equal(blocks.dequantize(fmt, parts), ref)
+
+
+def test_types_without_a_pinf_format_are_left_to_the_caller():
+    assert blocks.from_gguf(Q.Q5_0, quants.quantize(W, Q.Q5_0), *W.shape) is None
+
+
+@pytest.mark.parametrize("fmt, bound", [("q8", 1 / 254), ("q4", 1 / 30), ("f16", 1e-3)])
+def test_quantize_error_is_within_half_a_step(fmt, bound):
+    parts = blocks.quantize(fmt, W)
+    err = np.abs(blocks.dequantize(fmt, parts) - W)
+    scale = np.abs(W).reshape(48, -1, 32).max(-1).repeat(32, axis=1) * (2 if fmt == "q4" else 1)
+    assert (err <= scale * bound * 1.01 + 1e-7).all()
+
+
+def test_q8_matches_gguf_q8_0_rule():
+    ours = blocks.dequantize("q8", blocks.quantize("q8", W))
+    ref = quants.dequantize(quants.quantize(W, Q.Q8_0), Q.Q8_0).reshape(W.shape)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=np.abs(W).max() / 127 * 1.01)
+
+
+def test_row_selection_and_mixing_q4_with_and_without_min():
+    f0, p0 = blocks.from_gguf(Q.Q4_0, quants.quantize(W, Q.Q4_0), *W.shape)
+    f1, p1 = blocks.from_gguf(Q.Q4_1, quants.quantize(W, Q.Q4_1), *W.shape)
+    fmt, both = blocks.concat_rows([(f0, p0), (f1, p1)])
+    full = np.concatenate([blocks.dequantize(f0, p0), blocks.dequantize(f1, p1)])
+    np.testing.assert_array_equal(blocks.dequantize(fmt, both), full)
+    rows = np.array([0, 47, 48, 95, 3])
+    np.testing.assert_array_equal(blocks.dequantize(fmt, both, rows=rows), full[rows])

@@ -1,0 +1,135 @@
+"""The .pinf container: round trip, atomic writing, strict validation, integrity checks."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from pinfer.formats import PinfFormatError, PinfReader, PinfWriter
+from pinfer.formats import schema as S
+from pinfer.formats.writer import partial_path
+
+HEADER = {k: {} for k in S.HEADER_KEYS if k != "tensors"}
+
+
+def write_sample(path):
+    rng = np.random.default_rng(0)
+    arrays = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.integers(0, 255, 1000, dtype=np.uint8),
+        "c": rng.standard_normal(7).astype(np.float16),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+    with PinfWriter(path) as w:
+        for n, a in arrays.items():
+            w.add_tensor(n, a)
+        w.finish(dict(HEADER, config={"hello": "wörld"}))
+    return arrays
+
+
+def test_round_trip_is_zero_copy_and_aligned(tmp_path):
+    p = tmp_path / "m.pinf"
+    arrays = write_sample(p)
+    r = PinfReader(p)
+    assert r.header["config"] == {"hello": "wörld"}
+    for n, a in arrays.items():
+        t = r.tensor(n)
+        np.testing.assert_array_equal(t, a)
+        assert t.dtype == a.dtype and not t.flags.writeable
+        assert r.tensors[n]["offset"] % S.ALIGNMENT == 0
+    assert r.verify() == []
+    assert not partial_path(p).exists()
+
+
+def test_error_inside_writer_leaves_nothing(tmp_path):
+    p = tmp_path / "m.pinf"
+    with pytest.raises(RuntimeError):
+        with PinfWriter(p) as w:
+            w.add_tensor("a", np.zeros(10, np.float32))
+            raise RuntimeError("boom")
+    assert not p.exists() and not partial_path(p).exists()
+
+
+def test_writer_refuses_wrong_order_and_bad_input(tmp_path):
+    w = PinfWriter(tmp_path / "m.pinf")
+    w.add_tensor("a", np.zeros(2, np.float32))
+    with pytest.raises(ValueError):
+        w.add_tensor("a", np.zeros(2, np.float32))
+    with pytest.raises(ValueError):
+        w.add_tensor("f64", np.zeros(2, np.float64))
+    with pytest.raises(ValueError):
+        w.finish({"config": {}})
+    w.finish(HEADER)
+    with pytest.raises(RuntimeError):
+        w.add_tensor("late", np.zeros(2, np.float32))
+
+
+def _damage(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize("what", ["magic", "version", "header_bounds", "header_checksum", "truncated", "empty"])
+def test_damaged_preamble_and_header_give_one_error(tmp_path, what):
+    p = tmp_path / "m.pinf"
+    write_sample(p)
+    if what == "magic":
+        _damage(p, 0, b"GGUF")
+    elif what == "version":
+        _damage(p, 8, struct.pack("<I", 99))
+    elif what == "header_bounds":
+        _damage(p, 16, struct.pack("<Q", 1 << 40))
+    elif what == "header_checksum":
+        _, _, _, off, _, _ = S.PREAMBLE.unpack(p.read_bytes()[:S.PREAMBLE.size])
+        _damage(p, off + 2, b"#")
+    elif what == "truncated":
+        data = p.read_bytes()
+        p.write_bytes(data[: len(data) // 2])
+    else:
+        p.write_bytes(b"")
+    with pytest.raises(PinfFormatError) as e:
+        PinfReader(p)
+    msg = str(e.value)
+    assert "\n" not in msg and str(p.name) in msg
+
+
+def _rewrite_header(path, edit):
+    """Re-write the header after `edit(header)` with a valid checksum, to reach directory checks."""
+    data = bytearray(path.read_bytes())
+    magic, ver, res, off, length, _ = S.PREAMBLE.unpack(bytes(data[:S.PREAMBLE.size]))
+    header = json.loads(bytes(data[off:off + length]))
+    edit(header)
+    blob = json.dumps(header).encode()
+    import hashlib
+    data = data[:off] + blob
+    data[:S.PREAMBLE.size] = S.PREAMBLE.pack(magic, ver, res, off, len(blob), hashlib.sha256(blob).digest())
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: h["tensors"]["a"].update(offset=h["tensors"]["b"]["offset"]),           # overlap
+    lambda h: h["tensors"]["a"].update(offset=-4096),                                  # negative
+    lambda h: h["tensors"]["a"].update(offset=4097),                                   # misaligned
+    lambda h: h["tensors"]["b"].update(shape=[10 ** 12], nbytes=10 ** 12),             # huge
+    lambda h: h["tensors"]["a"].update(dtype="q3"),                                    # unknown dtype
+    lambda h: h["tensors"]["a"].update(shape=[3, 6]),                                  # size mismatch
+    lambda h: h.pop("config"),                                                          # missing key
+])
+def test_bad_directory_entries_are_refused(tmp_path, edit):
+    p = tmp_path / "m.pinf"
+    write_sample(p)
+    _rewrite_header(p, edit)
+    with pytest.raises(PinfFormatError):
+        PinfReader(p)
+
+
+def test_verify_names_the_damaged_tensor(tmp_path):
+    p = tmp_path / "m.pinf"
+    write_sample(p)
+    r = PinfReader(p)
+    off = r.tensors["b"]["offset"] + 17
+    r.close()
+    _damage(p, off, b"\xff" if p.read_bytes()[off] != 0xFF else b"\x00")
+    assert PinfReader(p).verify() == ["b"]

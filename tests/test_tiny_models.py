@@ -1,0 +1,91 @@
+"""Convert tiny GGUF models made here, run them, and compare with an independent PyTorch forward
+pass over the same dequantized weights (tests/reference.py).
+
+Stated tolerances (max |logit difference| / max |logit|):
+  F32, F16 weights: 1e-4 (float32 arithmetic in a different order);
+  quantized weights: 4e-2, because ONNX Runtime's MatMulNBits (accuracy level 4) quantizes
+  activations to int8 in blocks of 32, as llama.cpp does; the reference here is exact.
+Token-by-token decoding with the KV cache must equal one full forward pass to 1e-4.
+"""
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+from fixtures import make_tiny_llama_gguf
+from reference import reference_logits
+
+from pinfer.converter.convert import ConvertError, ConvertOptions, convert
+from pinfer.runtime.model import Model, RuntimeOptions
+
+TOL = {"F32": 1e-4, "F16": 1e-4, "Q8_0": 4e-2, "Q4_0": 4e-2, "Q4_1": 4e-2, "Q4_K": 4e-2, "Q6_K": 4e-2}
+IDS = [int(i) for i in np.random.default_rng(0).integers(0, 320, 40)]
+
+
+def build(tmp_path, qtype, **kw):
+    if qtype.endswith("_K"):
+        kw = dict(d_model=256, n_ff=256, **kw)  # K-quants need rows of 256
+    src = make_tiny_llama_gguf(tmp_path / f"tiny_{qtype}.gguf", qtype=qtype, **kw)
+    with contextlib.redirect_stderr(io.StringIO()):
+        out = convert(ConvertOptions(src, tmp_path / f"tiny_{qtype}.pinf"))
+    return src, out
+
+
+@pytest.mark.parametrize("qtype", list(TOL))
+def test_logits_match_reference_and_kv_cache_matches_full_pass(tmp_path, qtype):
+    src, out = build(tmp_path, qtype)
+    m = Model(out, RuntimeOptions(threads=1))
+    full = m.forward(IDS, logits_from=0).copy()
+    ref = reference_logits(src, IDS)
+    rel = np.abs(full - ref).max() / np.abs(ref).max()
+    print(f"{qtype}: max |logit - reference| / max |reference| = {rel:.2e} (tolerance {TOL[qtype]:.0e})")
+    assert rel <= TOL[qtype]
+    assert (full.argmax(1) == ref.argmax(1)).mean() >= 0.95
+    m.reset()
+    steps = np.concatenate([m.forward([t]).copy() for t in IDS])
+    m.reset()
+    chunked = np.concatenate([m.forward(IDS[:13], logits_from=0).copy(), m.forward(IDS[13:], logits_from=0).copy()])
+    scale = np.abs(full).max()
+    assert np.abs(steps - full).max() <= 1e-4 * scale
+    assert np.abs(chunked - full).max() <= 1e-4 * scale
+
+
+def test_tied_embeddings_and_threads_agree(tmp_path):
+    src, out = build(tmp_path, "Q8_0", tied_embeddings=True)
+    ref = reference_logits(src, IDS)
+    a = Model(out, RuntimeOptions(threads=1)).forward(IDS, logits_from=0).copy()
+    b = Model(out, RuntimeOptions(threads=2)).forward(IDS, logits_from=0).copy()
+    assert np.abs(a - ref).max() / np.abs(ref).max() <= TOL["Q8_0"]
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(a).max())
+
+
+def test_unsupported_architecture_is_refused_before_tensors(tmp_path):
+    src = make_tiny_llama_gguf(tmp_path / "g.gguf", arch_name="gemma3")
+    with pytest.raises(ConvertError) as e:
+        convert(ConvertOptions(src, tmp_path / "g.pinf"))
+    msg = str(e.value)
+    assert "'gemma3'" in msg and "llama" in msg and "\n" not in msg
+    assert not (tmp_path / "g.pinf").exists()
+
+
+def test_missing_metadata_is_named(tmp_path):
+    src = make_tiny_llama_gguf(tmp_path / "m.gguf", extra_kv={"llama.feed_forward_length": None})
+    with pytest.raises(ConvertError, match="llama.feed_forward_length"):
+        convert(ConvertOptions(src, tmp_path / "m.pinf"))
+
+
+def test_existing_output_needs_force(tmp_path):
+    src, out = build(tmp_path, "F16")
+    with pytest.raises(ConvertError, match="--force"):
+        convert(ConvertOptions(src, out))
+    with contextlib.redirect_stderr(io.StringIO()):
+        convert(ConvertOptions(src, out, force=True))
+
+
+def test_context_overflow_is_a_clear_error(tmp_path):
+    _, out = build(tmp_path, "F16")
+    m = Model(out, RuntimeOptions(n_ctx=16, threads=1))
+    m.forward(IDS[:16])
+    with pytest.raises(ValueError, match="context"):
+        m.forward([1])
