@@ -20,6 +20,12 @@ def load(path, ctx, threads, logits_all=False):
                  logits_all=logits_all, verbose=False)
 
 
+def last_logits(llm):
+    """Logits of the last evaluated token, read from the context (llama-cpp-python keeps them in
+    .scores only with logits_all)."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+
+
 def perplexity(a):
     llm = load(a.model, a.ctx, a.threads, logits_all=True)
     text = open(a.text, encoding="utf-8").read()
@@ -47,7 +53,7 @@ def greedy(a):
     llm.eval(ids)
     out = []
     for _ in range(a.n):
-        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t = int(np.argmax(last_logits(llm)))
         out.append(t)
         llm.eval([t])
     return {"generated": out}
@@ -59,11 +65,11 @@ def decode(a):
     prompt = llm.tokenize(b"The capital of France is", add_bos=False)
     llm.reset()
     llm.eval(prompt)
-    t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t = int(np.argmax(last_logits(llm)))
     t0 = time.perf_counter()
     for _ in range(a.n):
         llm.eval([t])
-        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t = int(np.argmax(last_logits(llm)))
     dt = time.perf_counter() - t0
     return {"tokens": a.n, "seconds": dt, "tok_s": a.n / dt}
 

@@ -75,12 +75,6 @@ def _same_format(items):
     return out
 
 
-def _down_format(ttype_name):
-    # The transposed down matrix cannot keep the source's groups (they ran along n_ff); float
-    # sources stay float, quantized ones become q8, which adds ~1/16 of a 4-bit step of error.
-    return {"F32": "f32", "F16": "f16"}.get(ttype_name, "q8")
-
-
 def convert(opts):
     t0 = time.perf_counter()
     src_path = Path(opts.source)
@@ -171,8 +165,12 @@ def _layer(src, T, cfg, i, w, em):
     gate_up = {p: np.stack([pg[p], pu[p]], axis=1) for p in pg}
     em.put(S.FFN_GATE_UP.format(i), fg, gate_up,
            None if wg is None else np.stack([wg, wu], axis=1).reshape(2 * cfg.n_ff, -1))
-    down = src.tensor(n("ffn_down"))
-    down_t = src.floats(n("ffn_down")).T.copy()   # (n_ff, d_model): column j of W_down as row j
-    fmt = _down_format(down.ttype.name)
-    em.put(S.FFN_DOWN_T.format(i), fmt, blocks.quantize(fmt, down_t),
-           down_t if fmt not in ("f32",) else None)
+    # down_t (n_ff, d_model): column j of W_down as row j. GGUF's groups run along n_ff, so the
+    # exact carry-over uses the row-grouped formats; other types are re-quantized to q8.
+    t = src.tensor(n("ffn_down"))
+    exact = blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
+    if exact is not None:
+        em.put(S.FFN_DOWN_T.format(i), *exact)
+    else:
+        down_t = src.floats(n("ffn_down")).T.copy()
+        em.put(S.FFN_DOWN_T.format(i), "q8", blocks.quantize("q8", down_t), down_t)

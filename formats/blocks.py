@@ -52,6 +52,27 @@ def from_gguf(ttype, raw, rows, k):
     return None
 
 
+def from_gguf_transposed(ttype, raw, rows, k):
+    """GGUF W (rows, k) -> the exact parts of W^T (k, rows) in an "r" format (groups of GGUF's k
+    axis become groups of rows), or None when there is none for this type."""
+    nb = k // GROUP
+    t = from_gguf(ttype, raw, rows, k)
+    if t is None:
+        return None
+    fmt, parts = t
+    if fmt in ("f32", "f16"):
+        return fmt, {"w": np.ascontiguousarray(parts["w"].T)}
+    if fmt == "q4":
+        vals = _unpairs(parts["q"])                     # (rows, k)
+        out = {"q": _pairs(np.ascontiguousarray(vals.T)), "scale": np.ascontiguousarray(parts["scale"].T)}
+        if "min" in parts:
+            out["min"] = np.ascontiguousarray(parts["min"].T)
+        return "q4r", out
+    if fmt == "q8":
+        return "q8r", {"q": np.ascontiguousarray(parts["q"].T), "scale": np.ascontiguousarray(parts["scale"].T)}
+    raise AssertionError(fmt)
+
+
 def quantize(fmt, w):
     """Float (rows, K) -> parts of `fmt`. q8 is symmetric (Q8_0's rule), q4 asymmetric with a min."""
     w = np.asarray(w, np.float32)
@@ -81,6 +102,16 @@ def quantize(fmt, w):
 def dequantize(fmt, parts, rows=None):
     """Parts of `fmt` -> float32 (n, K); `rows` (an index array) selects rows before the work."""
     sel = (lambda a: a) if rows is None else (lambda a: a[rows])
+    if fmt in ("q4r", "q8r"):
+        n = parts["q"].shape[0]
+        groups = np.arange(n) // GROUP if rows is None else np.asarray(rows) // GROUP
+        scale = parts["scale"].astype(np.float32)[groups]
+        if fmt == "q8r":
+            return ((sel(parts["q"]).astype(np.float32) - 128) * scale)
+        q = _unpairs(sel(parts["q"])).astype(np.float32)
+        if "min" in parts:
+            return q * scale + parts["min"].astype(np.float32)[groups]
+        return (q - 8) * scale
     if fmt in ("f32", "f16"):
         return sel(parts["w"]).astype(np.float32)
     scale = sel(parts["scale"]).astype(np.float32)

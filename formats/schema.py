@@ -57,10 +57,17 @@ HEADER_KEYS = ("config", "tokenizer", "weights", "ffn", "sparsity", "layers", "p
 #   q8:  q i8 (rows, K), scale f16 (rows, K/GROUP): value = scale*q
 #   f16: w f16 (rows, K)
 #   f32: w f32 (rows, K)
+# The "r" formats group along rows instead (groups of GROUP rows share a scale per column). They
+# hold neuron-major ffn_down_t exactly as GGUF quantized W_down, whose groups run along n_ff:
+#   q4r: q u8 (rows, K/2) as q4, scale f16 (rows/GROUP, K), min f16 (rows/GROUP, K) optional:
+#        value[r, k] = scale[r/GROUP, k]*q[r, k] + min[r/GROUP, k], or scale*(q - 8) without min
+#   q8r: q u8 (rows, K), scale f16 (rows/GROUP, K): value = scale[r/GROUP, k]*(q[r, k] - 128)
 GROUP = 32
 BLOCK_FORMATS = {
     "q4": ("q", "scale", "min"),
     "q8": ("q", "scale"),
+    "q4r": ("q", "scale", "min"),
+    "q8r": ("q", "scale"),
     "f16": ("w",),
     "f32": ("w",),
 }

@@ -19,16 +19,22 @@ def _load():
         raise ImportError("pinfer's C kernels are not built; reinstall with `pip install -e .`")
     lib = ctypes.CDLL(spec.origin)
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.pinfer_down_q8.argtypes = [p, p, p, p, i64, i64, i64, c_int]
-    lib.pinfer_down_q8.restype = None
-    lib.pinfer_down_f16.argtypes = [p, p, p, i64, i64, i64, c_int]
-    lib.pinfer_down_f16.restype = None
-    lib.pinfer_down_f32.argtypes = [p, p, p, i64, i64, i64, c_int]
-    lib.pinfer_down_f32.restype = None
+    lib.pinfer_down.argtypes = [c_int, p, p, p, p, p, i64, i64, i64, c_int]
+    lib.pinfer_down.restype = None
     return lib
 
 
 _lib = _load()
+
+# format -> (code in kernels/csrc/ffn_down.c, {part: (dtype, shape(n, d))})
+_DOWN_FORMATS = {
+    "q8": (0, {"q": (np.uint8, lambda n, d: (n, d)), "scale": (np.float16, lambda n, d: (n, d // 32))}),
+    "q8r": (1, {"q": (np.uint8, lambda n, d: (n, d)), "scale": (np.float16, lambda n, d: (n // 32, d))}),
+    "q4r": (2, {"q": (np.uint8, lambda n, d: (n, d // 2)), "scale": (np.float16, lambda n, d: (n // 32, d)),
+                "min": (np.float16, lambda n, d: (n // 32, d))}),
+    "f16": (3, {"w": (np.float16, lambda n, d: (n, d))}),
+    "f32": (4, {"w": (np.float32, lambda n, d: (n, d))}),
+}
 
 
 def _check(a, dtype, shape, name):
@@ -38,39 +44,28 @@ def _check(a, dtype, shape, name):
 
 
 class DownProjection:
-    """y (S, d) = h (S, n_ff) @ W, W stored neuron-major as `down_t` (n_ff, d) in q8, f16 or f32.
+    """y (S, d) = h (S, n_ff) @ W, W stored neuron-major as `down_t` (n_ff, d) in one of
+    _DOWN_FORMATS. Shapes are checked here once; the bound call passes raw pointers only."""
 
-    Shapes are checked here once; `__call__` passes raw pointers only."""
-
-    def __init__(self, fmt, parts, threads):
-        self.fmt, self.threads = fmt, threads
-        if fmt == "q8":
-            self.q, self.scale = parts["q"], parts["scale"]
-            self.n_ff, self.d = self.q.shape
-            _check(self.q, np.uint8, (self.n_ff, self.d), "down_t.q")
-            _check(self.scale, np.float16, (self.n_ff, self.d // 32), "down_t.scale")
-        elif fmt in ("f16", "f32"):
-            self.q = parts["w"]
-            self.n_ff, self.d = self.q.shape
-            _check(self.q, np.dtype(np.float16 if fmt == "f16" else np.float32), (self.n_ff, self.d), "down_t.w")
-        else:
-            raise ValueError(f"the dense down kernel takes q8, f16 or f32 weights, not {fmt}")
-        if self.d % 32:
-            raise ValueError(f"d_model {self.d} is not a multiple of 32")
-        self._qp = self.q.ctypes.data
-        self._sp = self.scale.ctypes.data if fmt == "q8" else None
+    def __init__(self, fmt, parts, threads, n_ff, d):
+        if fmt not in _DOWN_FORMATS:
+            raise ValueError(f"the down kernel takes {sorted(_DOWN_FORMATS)}, not {fmt}")
+        if d % 32 or n_ff % 32:
+            raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
+        self.code, spec = _DOWN_FORMATS[fmt]
+        for part, (dtype, shape) in spec.items():
+            if part in parts:
+                _check(parts[part], np.dtype(dtype), shape(n_ff, d), f"down_t.{part}")
+        self.parts, self.threads, self.n_ff, self.d = parts, threads, n_ff, d
+        ptr = lambda k: parts[k].ctypes.data if k in parts else None  # noqa: E731
+        self._w = (ptr("q") or ptr("w"), ptr("scale"), ptr("min"))
 
     def bind(self, h, y):
         """Fix the input and output buffers; returns a zero-argument callable."""
-        S = h.shape[-2] if h.ndim > 1 else 1
-        _check(h, np.float32, h.shape, "h")
-        if h.size != S * self.n_ff or y.size != S * self.d or y.dtype != np.float32 or not y.flags.c_contiguous:
-            raise ValueError(f"down projection buffers h {h.shape} / y {y.shape} do not match "
-                             f"n_ff {self.n_ff}, d {self.d}")
-        hp, yp = h.ctypes.data, y.ctypes.data
-        if self.fmt == "q8":
-            f, args = _lib.pinfer_down_q8, (hp, self._qp, self._sp, yp, S, self.n_ff, self.d, self.threads)
-        else:
-            f = _lib.pinfer_down_f16 if self.fmt == "f16" else _lib.pinfer_down_f32
-            args = (hp, self._qp, yp, S, self.n_ff, self.d, self.threads)
+        S = h.size // self.n_ff
+        for a, n, name in ((h, self.n_ff, "h"), (y, self.d, "y")):
+            if a.dtype != np.float32 or not a.flags.c_contiguous or a.size != S * n:
+                raise ValueError(f"down projection buffer {name} {a.dtype} {a.shape} does not hold {S} rows of {n}")
+        args = (self.code, *self._w, h.ctypes.data, y.ctypes.data, S, self.n_ff, self.d, self.threads)
+        f = _lib.pinfer_down
         return lambda: f(*args)

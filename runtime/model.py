@@ -92,7 +92,8 @@ class Model:
         so_threads = self.threads
         self.layers = [self._session(S.LAYER_GRAPH.format(i), so_threads) for i in range(cfg.n_layer)]
         self.head = self._session(S.HEAD_GRAPH, so_threads)
-        self.downs = [DownProjection(*r.block(S.FFN_DOWN_T.format(i)), self.threads) for i in range(cfg.n_layer)]
+        self.downs = [DownProjection(*r.block(S.FFN_DOWN_T.format(i)), self.threads, cfg.n_ff, cfg.d_model)
+                      for i in range(cfg.n_layer)]
 
         kv_shape = (1, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
         self.kv = [(np.zeros(kv_shape, np.float32), np.zeros(kv_shape, np.float32)) for _ in range(cfg.n_layer)]

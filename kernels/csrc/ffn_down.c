@@ -1,17 +1,22 @@
-/* Dense down projection over the neuron-major `down_t` bundle.
+/* Dense down projection over the neuron-major `down_t` bundle: y = h @ W.
  *
- * Layout (DESIGN.md §3, formats/schema.py):
- *   h      f32 (S, n_ff)             activations, one row per token
- *   q      u8  (n_ff, d)             q8 weights offset by 128: w = scale * (q - 128)
- *   scale  f16 (n_ff, d / 32)        one scale per group of 32 along d
- *   w16    f16 (n_ff, d)             f16 weights (the f16 entry point)
- *   w32    f32 (n_ff, d)             f32 weights (the f32 entry point)
- *   y      f32 (S, d)                y[s, :] = sum_j h[s, j] * W[j, :]
+ * Layouts (formats/schema.py; n = n_ff neurons, d = d_model, G = 32):
+ *   h      f32 (S, n)              activations, one row per token
+ *   y      f32 (S, d)              output, overwritten
+ *   W in one of these formats, neuron j's weights being row j:
+ *   FMT_Q8   q u8 (n, d), scale f16 (n, d/G)      w[j,i] = scale[j, i/G] * (q[j,i] - 128)
+ *   FMT_Q8R  q u8 (n, d), scale f16 (n/G, d)      w[j,i] = scale[j/G, i] * (q[j,i] - 128)
+ *   FMT_Q4R  q u8 (n, d/2), scale f16 (n/G, d), min f16 (n/G, d) or none
+ *            element 2k of a row in the low nibble of byte k, 2k+1 in the high nibble;
+ *            w[j,i] = scale[j/G, i] * q[j,i] + min[j/G, i], or scale * (q - 8) without min
+ *   FMT_F16  w f16 (n, d)
+ *   FMT_F32  w f32 (n, d)
+ * The R formats keep GGUF's groups, which run along the neuron axis of W_down, so GGUF's Q4_0,
+ * Q4_1 and Q8_0 down matrices are carried over exactly.
  *
- * Each output element is summed by one thread in ascending j, so results do not depend on the
- * thread count. Threads split the d groups (decode) or the tokens (prefill). The compiler
- * vectorizes the inner loops; target_clones builds AVX-512, AVX2 and portable versions and picks
- * one at load time.
+ * Work is cut into (token tile, column chunk) units; each output element is summed by one thread
+ * in ascending j, so results do not depend on the thread count. The compiler vectorizes the inner
+ * loops; target_clones builds AVX-512, AVX2 and portable versions and picks one at load time.
  */
 #include <stdint.h>
 #include <string.h>
@@ -22,8 +27,11 @@
 #define PINFER_CLONES
 #endif
 
-#define GROUP 32
-#define TOK_TILE 4 /* tokens that share one load and conversion of a weight group */
+#define G 32
+#define TOK_TILE 4     /* tokens sharing one conversion of a weight row */
+#define COL_CHUNK 512  /* output columns per work unit */
+
+enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4 };
 
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -45,105 +53,106 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* y[t0..t0+nt) over groups [g0, g1) of d, from q8 rows. */
+typedef struct {
+    int fmt;
+    const void *q;          /* q bytes or f16/f32 weights */
+    const uint16_t *scale;  /* f16 */
+    const uint16_t *min;    /* f16 or NULL */
+    int64_t n, d;
+} weights_t;
+
+/* Row j of W, columns [c0, c0 + nc), as floats; R formats give q (or q - 128) unscaled. */
 PINFER_CLONES
-static void down_q8_tile(const float *restrict h, const uint8_t *restrict q, const uint16_t *restrict scale, float *restrict y,
-                         int64_t nt, int64_t n_ff, int64_t d, int64_t g0, int64_t g1) {
-    const int64_t nb = d / GROUP;
-    for (int64_t t = 0; t < nt; t++)
-        memset(y + t * d + g0 * GROUP, 0, (size_t)(g1 - g0) * GROUP * sizeof(float));
-    for (int64_t j = 0; j < n_ff; j++) {
-        const uint8_t *qj = q + j * d;
-        const uint16_t *sj = scale + j * nb;
-        for (int64_t g = g0; g < g1; g++) {
-            float w[GROUP];
-            const float s = f16_to_f32(sj[g]);
-            for (int i = 0; i < GROUP; i++) w[i] = s * (float)((int)qj[g * GROUP + i] - 128);
-            for (int64_t t = 0; t < nt; t++) {
-                const float c = h[t * n_ff + j];
-                float *yt = y + t * d + g * GROUP;
-                for (int i = 0; i < GROUP; i++) yt[i] += c * w[i];
-            }
+static void load_row(const weights_t *w, int64_t j, int64_t c0, int64_t nc, float *restrict out) {
+    const int64_t d = w->d;
+    switch (w->fmt) {
+    case FMT_Q8: {
+        const uint8_t *q = (const uint8_t *)w->q + j * d + c0;
+        const uint16_t *s = w->scale + j * (d / G) + c0 / G;
+        for (int64_t g = 0; g < nc / G; g++) {
+            const float sc = f16_to_f32(s[g]);
+            for (int i = 0; i < G; i++) out[g * G + i] = sc * (float)((int)q[g * G + i] - 128);
         }
+        break;
+    }
+    case FMT_Q8R: {
+        const uint8_t *restrict q = (const uint8_t *)w->q + j * d + c0;
+        for (int64_t i = 0; i < nc; i++) out[i] = (float)((int)q[i] - 128);
+        break;
+    }
+    case FMT_Q4R: {
+        const uint8_t *restrict q = (const uint8_t *)w->q + j * (d / 2) + c0 / 2;
+        for (int64_t k = 0; k < nc / 2; k++) {
+            out[2 * k] = (float)(q[k] & 15);
+            out[2 * k + 1] = (float)(q[k] >> 4);
+        }
+        break;
+    }
+    case FMT_F16: {
+        const uint16_t *restrict q = (const uint16_t *)w->q + j * d + c0;
+        for (int64_t i = 0; i < nc; i++) out[i] = f16_to_f32(q[i]);
+        break;
+    }
+    default: {
+        memcpy(out, (const float *)w->q + j * d + c0, (size_t)nc * sizeof(float));
+    }
     }
 }
 
+/* y[t, c0:c0+nc] for tokens t in [0, nt) of this tile. */
 PINFER_CLONES
-static void down_f16_tile(const float *restrict h, const uint16_t *restrict w16, float *restrict y, int64_t nt, int64_t n_ff,
-                          int64_t d, int64_t g0, int64_t g1) {
-    for (int64_t t = 0; t < nt; t++)
-        memset(y + t * d + g0 * GROUP, 0, (size_t)(g1 - g0) * GROUP * sizeof(float));
-    for (int64_t j = 0; j < n_ff; j++) {
-        const uint16_t *wj = w16 + j * d;
-        for (int64_t g = g0; g < g1; g++) {
-            float w[GROUP];
-            for (int i = 0; i < GROUP; i++) w[i] = f16_to_f32(wj[g * GROUP + i]);
+static void down_unit(const weights_t *w, const float *restrict h, float *restrict y, int64_t nt, int64_t c0,
+                      int64_t nc) {
+    const int64_t n = w->n, d = w->d;
+    const int grouped = w->fmt == FMT_Q8R || w->fmt == FMT_Q4R;
+    float row[COL_CHUNK], acc[TOK_TILE][COL_CHUNK], sc[COL_CHUNK], off[COL_CHUNK];
+    for (int64_t t = 0; t < nt; t++) memset(y + t * d + c0, 0, (size_t)nc * sizeof(float));
+    for (int64_t b = 0; b < n; b += G) {
+        const int64_t jend = grouped ? b + G : n;
+        float hsum[TOK_TILE] = {0};
+        if (grouped) memset(acc, 0, sizeof(acc));
+        for (int64_t j = b; j < jend; j++) {
+            load_row(w, j, c0, nc, row);
             for (int64_t t = 0; t < nt; t++) {
-                const float c = h[t * n_ff + j];
-                float *yt = y + t * d + g * GROUP;
-                for (int i = 0; i < GROUP; i++) yt[i] += c * w[i];
+                const float c = h[t * n + j];
+                float *restrict a = grouped ? acc[t] : y + t * d + c0;
+                for (int64_t i = 0; i < nc; i++) a[i] += c * row[i];
+                hsum[t] += c;
             }
         }
-    }
-}
-
-PINFER_CLONES
-static void down_f32_tile(const float *restrict h, const float *restrict w32, float *restrict y, int64_t nt,
-                          int64_t n_ff, int64_t d, int64_t g0, int64_t g1) {
-    for (int64_t t = 0; t < nt; t++)
-        memset(y + t * d + g0 * GROUP, 0, (size_t)(g1 - g0) * GROUP * sizeof(float));
-    for (int64_t j = 0; j < n_ff; j++) {
-        const float *wj = w32 + j * d;
+        if (!grouped) break; /* the loop above covered every neuron */
+        /* y += scale * acc + offset * sum(h): offset is min, -8 scale (q4 without min) or
+           -128 scale is already inside q8's row values, so 0 */
+        const uint16_t *s = w->scale + (b / G) * d + c0;
+        for (int64_t i = 0; i < nc; i++) sc[i] = f16_to_f32(s[i]);
+        if (w->fmt == FMT_Q4R && w->min) {
+            const uint16_t *m = w->min + (b / G) * d + c0;
+            for (int64_t i = 0; i < nc; i++) off[i] = f16_to_f32(m[i]);
+        } else {
+            const float k = w->fmt == FMT_Q4R ? -8.0f : 0.0f;
+            for (int64_t i = 0; i < nc; i++) off[i] = k * sc[i];
+        }
         for (int64_t t = 0; t < nt; t++) {
-            const float c = h[t * n_ff + j];
-            float *yt = y + t * d;
-            for (int64_t i = g0 * GROUP; i < g1 * GROUP; i++) yt[i] += c * wj[i];
+            float *restrict yt = y + t * d + c0;
+            for (int64_t i = 0; i < nc; i++) yt[i] += sc[i] * acc[t][i] + off[i] * hsum[t];
         }
     }
 }
 
-static void tile(int fmt, const float *h, const void *q, const uint16_t *scale, float *y, int64_t nt,
-                 int64_t n_ff, int64_t d, int64_t g0, int64_t g1) {
-    if (fmt == 0) down_q8_tile(h, q, scale, y, nt, n_ff, d, g0, g1);
-    else if (fmt == 1) down_f16_tile(h, q, y, nt, n_ff, d, g0, g1);
-    else down_f32_tile(h, q, y, nt, n_ff, d, g0, g1);
-}
-
-/* fmt 0: q8 (q, scale); 1: f16 (w16 in q); 2: f32 (w32 in q). d must be a multiple of 32. */
-static void down_any(int fmt, const float *h, const void *q, const uint16_t *scale, float *y,
-                     int64_t S, int64_t n_ff, int64_t d, int threads) {
-    const int64_t nb = d / GROUP;
-    if (S == 1) {
-        /* decode: split the groups of d among threads */
-        int nt = threads < nb ? threads : (int)nb;
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int p = 0; p < nt; p++) {
-            int64_t g0 = nb * p / nt, g1 = nb * (p + 1) / nt;
-            tile(fmt, h, q, scale, y, 1, n_ff, d, g0, g1);
-        }
-        return;
+void pinfer_down(int fmt, const void *q, const uint16_t *scale, const uint16_t *min, const float *h, float *y,
+                 int64_t S, int64_t n, int64_t d, int threads) {
+    weights_t w = {fmt, q, scale, min, n, d};
+    const int64_t chunk = d < COL_CHUNK ? d : COL_CHUNK;
+    /* decode: narrower chunks so that every thread gets work */
+    const int64_t cw = S == 1 && threads > 1 ? ((d / threads + G - 1) / G) * G : chunk;
+    const int64_t cols = cw < chunk ? cw : chunk;
+    const int64_t n_col = (d + cols - 1) / cols, n_tok = (S + TOK_TILE - 1) / TOK_TILE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t u = 0; u < n_col * n_tok; u++) {
+        const int64_t t0 = (u / n_col) * TOK_TILE, c0 = (u % n_col) * cols;
+        const int64_t nt = S - t0 < TOK_TILE ? S - t0 : TOK_TILE, nc = d - c0 < cols ? d - c0 : cols;
+        down_unit(&w, h + t0 * n, y + t0 * d, nt, c0, nc);
     }
-    const int64_t tiles = (S + TOK_TILE - 1) / TOK_TILE;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < tiles; k++) {
-        int64_t t0 = k * TOK_TILE, nt = S - t0 < TOK_TILE ? S - t0 : TOK_TILE;
-        tile(fmt, h + t0 * n_ff, q, scale, y + t0 * d, nt, n_ff, d, 0, nb);
-    }
-}
-
-void pinfer_down_q8(const float *h, const uint8_t *q, const uint16_t *scale, float *y, int64_t S,
-                    int64_t n_ff, int64_t d, int threads) {
-    down_any(0, h, q, scale, y, S, n_ff, d, threads);
-}
-
-void pinfer_down_f16(const float *h, const uint16_t *w16, float *y, int64_t S, int64_t n_ff,
-                     int64_t d, int threads) {
-    down_any(1, h, w16, 0, y, S, n_ff, d, threads);
-}
-
-void pinfer_down_f32(const float *h, const float *w32, float *y, int64_t S, int64_t n_ff, int64_t d,
-                     int threads) {
-    down_any(2, h, w32, 0, y, S, n_ff, d, threads);
 }
 
 /* Lets setuptools build this file as an extension module; pinfer loads it with ctypes. */

@@ -1,0 +1,58 @@
+"""pinfer's C down-projection kernel against NumPy on the same block-format weights."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from pinfer.formats import blocks
+from pinfer.kernels import DownProjection
+
+RNG = np.random.default_rng(3)
+
+
+def down_weights(fmt, n, d):
+    """(parts, dense W (n, d)) for a neuron-major down_t in `fmt`."""
+    w = RNG.standard_normal((d, n)).astype(np.float32)  # W_down as GGUF stores it, groups along n
+    if fmt in ("q4r", "q8r", "q4r-nomin"):
+        qt = {"q4r": Q.Q4_1, "q8r": Q.Q8_0, "q4r-nomin": Q.Q4_0}[fmt]
+        f, parts = blocks.from_gguf_transposed(qt, quants.quantize(w, qt), d, n)
+        ref = quants.dequantize(quants.quantize(w, qt), qt).reshape(d, n).T
+        return f, parts, np.ascontiguousarray(ref)
+    parts = blocks.quantize(fmt, w.T.copy())
+    return fmt, parts, blocks.dequantize(fmt, parts)
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q8r", "q4r", "q4r-nomin", "f16", "f32"])
+@pytest.mark.parametrize("S", [1, 3, 4, 9])
+@pytest.mark.parametrize("n, d", [(64, 96), (96, 1088)])
+def test_down_matches_numpy_and_is_thread_independent(fmt, S, n, d):
+    f, parts, W = down_weights(fmt, n, d)
+    h = RNG.standard_normal((S, n)).astype(np.float32)
+    ref = h.astype(np.float64) @ W.astype(np.float64)
+    outs = []
+    for threads in (1, 2, 3):
+        y = np.full((S, d), np.nan, np.float32)
+        DownProjection(f, parts, threads, n, d).bind(h, y)()
+        outs.append(y)
+    np.testing.assert_allclose(outs[0], ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    for y in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0])
+
+
+def test_zero_activations_give_zero():
+    f, parts, _ = down_weights("q4r", 64, 64)
+    y = np.ones((1, 64), np.float32)
+    DownProjection(f, parts, 1, 64, 64).bind(np.zeros((1, 64), np.float32), y)()
+    assert not y.any()
+
+
+def test_boundary_checks():
+    f, parts, _ = down_weights("q8r", 64, 64)
+    with pytest.raises(ValueError):
+        DownProjection(f, parts, 1, 64, 96)
+    k = DownProjection(f, parts, 1, 64, 64)
+    with pytest.raises(ValueError):
+        k.bind(np.zeros((1, 64), np.float64), np.zeros((1, 64), np.float32))
+    with pytest.raises(ValueError):
+        DownProjection("q4", {}, 1, 64, 64)
