@@ -1,0 +1,3 @@
+from pinfer.cli.main import main
+
+main()
