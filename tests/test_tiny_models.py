@@ -5,7 +5,10 @@ Stated tolerances (max |logit difference| / max |logit|):
   F32, F16 weights: 1e-4 (float32 arithmetic in a different order);
   quantized weights: 4e-2, because ONNX Runtime's MatMulNBits (accuracy level 4) quantizes
   activations to int8 in blocks of 32, as llama.cpp does; the reference here is exact.
-Token-by-token decoding with the KV cache must equal one full forward pass to 1e-4.
+Token-by-token decoding with the KV cache must equal one full forward pass to 1e-4 with float
+weights. With quantized weights, the int8 rounding of activations can turn a last-bit difference
+between the prefill and decode attention paths into one quantization step, so there the bound is
+1e-2 on the largest difference and 1e-4 on the mean.
 """
 
 import contextlib
@@ -49,8 +52,10 @@ def test_logits_match_reference_and_kv_cache_matches_full_pass(tmp_path, qtype):
     m.reset()
     chunked = np.concatenate([m.forward(IDS[:13], logits_from=0).copy(), m.forward(IDS[13:], logits_from=0).copy()])
     scale = np.abs(full).max()
-    assert np.abs(steps - full).max() <= 1e-4 * scale
-    assert np.abs(chunked - full).max() <= 1e-4 * scale
+    worst = 1e-4 if TOL[qtype] < 1e-3 else 1e-2
+    for other in (steps, chunked):
+        assert np.abs(other - full).max() <= worst * scale
+        assert np.abs(other - full).mean() <= 1e-4 * scale
 
 
 def test_tied_embeddings_and_threads_agree(tmp_path):
