@@ -18,9 +18,9 @@ def cli(ctx, verbose):
 
 
 def _register():
-    from . import chat, convert, generate, inspect, perplexity  # noqa: F401 (each adds its verb)
+    from . import chat, convert, generate, inspect, perplexity, serve  # noqa: F401 (each adds its verb)
 
-    for mod in (convert, generate, chat, perplexity, inspect):
+    for mod in (convert, generate, chat, perplexity, inspect, serve):
         cli.add_command(mod.command)
 
 

@@ -109,6 +109,7 @@ class Model:
             layer.bind_out("present_key", k)
             layer.bind_out("present_value", v)
         self._shape = None       # the sequence length the activation buffers are bound for
+        self._head_shape = None  # the row count the head's buffers are bound for
         self.n_past = 0
         self.load_seconds = time.perf_counter() - t0
 
@@ -173,7 +174,7 @@ class Model:
 
     def head_logits(self, resid, delta):
         m = resid.shape[1]
-        if getattr(self, "_head_shape", None) != m:
+        if self._head_shape != m:
             self._head_in = (np.empty((1, m, self.cfg.d_model), np.float32),
                              np.empty((1, m, self.cfg.d_model), np.float32))
             self._logits = np.empty((1, m, self.cfg.vocab), np.float32)

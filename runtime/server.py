@@ -1,0 +1,328 @@
+"""An OpenAI-compatible HTTP API over one model (Starlette on uvicorn).
+
+POST /v1/chat/completions, POST /v1/completions (server-sent events when "stream" is true, ending
+in `data: [DONE]`), GET /v1/models, GET /health (503 while the model loads). Requests queue for the
+single model: one generation runs at a time, on a worker thread; a client that disconnects stops
+its generation. Meant for one user on loopback, not for production serving.
+"""
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from .chat import render_messages
+from .generate import GenerateOptions, Session
+from .model import RuntimeOptions
+from .sample import SamplerConfig
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    api_key: str | None = None
+    model_id: str | None = None          # default: the file's stem
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 4096         # largest max_tokens a request may ask for
+    chat_template: str | None = None
+
+
+class BadRequest(Exception):
+    def __init__(self, message, status=400, code=None):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+# Request fields that would change the result and that pinfer does not implement: refused, by name.
+UNSUPPORTED = {
+    "n": lambda v: v not in (None, 1),
+    "best_of": lambda v: v not in (None, 1),
+    "logprobs": lambda v: v not in (None, False, 0),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: bool(v),
+    "suffix": lambda v: v not in (None, ""),
+    "tools": lambda v: bool(v),
+    "functions": lambda v: bool(v),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "logit_bias": lambda v: bool(v),
+}
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string, holding back a possible partial match."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text):
+        """(text safe to emit, stopped)"""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[:len(self.pending) - keep]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self):
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Engine:
+    """The model, loaded in the background, and a one-thread executor that serializes generations."""
+
+    def __init__(self, path, options):
+        self.path, self.options = path, options
+        self.session = None
+        self.error = None
+        self.ready = threading.Event()
+        self.lock = asyncio.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pinfer-gen")
+        self.pool.submit(self._load)
+
+    def _load(self):
+        try:
+            self.session = Session(self.path, self.options.runtime)
+        except Exception as e:  # reported by /health and every request
+            self.error = e
+        finally:
+            self.ready.set()
+
+    async def stream(self, prompt_ids, gen, stops, cancelled, usage):
+        """Yield (text, finish_reason or None) while generating, counting tokens into `usage`."""
+        loop = asyncio.get_running_loop()
+        queue = asyncio.Queue()
+        matcher = StopMatcher(stops)
+        usage.update(prompt_tokens=len(prompt_ids), completion_tokens=0, total_tokens=len(prompt_ids))
+
+        def work():
+            try:
+                n = 0
+                for step in self.session.generate(prompt_ids, gen, should_stop=cancelled.is_set):
+                    n += 1
+                    text, stopped = matcher.feed(step.text)
+                    reason = "stop" if stopped else step.finish_reason
+                    if reason and not stopped:
+                        text += matcher.flush()
+                    loop.call_soon_threadsafe(queue.put_nowait, (text, reason, n))
+                    if stopped:
+                        break
+            except Exception as e:
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        async with self.lock:
+            fut = loop.run_in_executor(self.pool, work)
+            try:
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, Exception):
+                        raise item
+                    text, reason, n = item
+                    usage.update(completion_tokens=n, total_tokens=len(prompt_ids) + n)
+                    yield text, reason
+            finally:
+                cancelled.set()
+                await fut
+
+
+def _error(message, status=400, code=None):
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        kind = "authentication_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status)
+
+
+def make_app(path, options=ServerOptions()):
+    from pathlib import Path
+
+    engine = Engine(path, options)
+    model_id = options.model_id or Path(path).stem
+    created = int(time.time())
+
+    def check_auth(request):
+        if options.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
+            raise BadRequest("a valid API key is required: send 'Authorization: Bearer KEY'", 401)
+
+    def check_ready():
+        if not engine.ready.is_set():
+            raise BadRequest("the model is still loading; retry in a moment", 503)
+        if engine.error is not None:
+            raise BadRequest(f"the model failed to load: {engine.error}", 500)
+
+    async def read_json(request):
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > options.max_body_bytes:
+            raise BadRequest(f"the request body is {length} bytes, over the limit of {options.max_body_bytes}", 413)
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > options.max_body_bytes:
+                raise BadRequest(f"the request body is over the limit of {options.max_body_bytes} bytes", 413)
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        if not isinstance(data, dict):
+            raise BadRequest("the request body must be a JSON object")
+        bad = [k for k, rule in UNSUPPORTED.items() if k in data and rule(data[k])]
+        if bad:
+            raise BadRequest(f"pinfer does not support these request fields: {', '.join(bad)}")
+        return data
+
+    def number(data, key, default, lo, hi, kind=float):
+        v = data.get(key, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise BadRequest(f"'{key}' must be a number from {lo} to {hi}")
+        return kind(v)
+
+    def generation(data, n_prompt):
+        room = engine.session.n_ctx - n_prompt
+        if room <= 0:
+            raise BadRequest(f"the prompt is {n_prompt} tokens; the context holds {engine.session.n_ctx}",
+                             code="context_length_exceeded")
+        limit = options.max_tokens_limit
+        key = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
+        max_tokens = number(data, key, min(limit, room), 1, limit, int)
+        seed = number(data, "seed", -1, -(2 ** 63), 2 ** 64, int)
+        sampler = SamplerConfig(temp=number(data, "temperature", 1.0, 0, 2), top_p=number(data, "top_p", 1.0, 0, 1),
+                                top_k=0, min_p=0.0, repeat_penalty=1.0, seed=seed if seed >= 0 else -1)
+        stop = data.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
+            raise BadRequest("'stop' must be a string or a list of up to 4 strings")
+        return GenerateOptions(n_predict=min(max_tokens, room), sampler=sampler), stop
+
+    async def handle(request, chat):
+        try:
+            check_auth(request)
+            data = await read_json(request)
+            check_ready()
+            tok = engine.session.tokenizer
+            if chat:
+                messages = data.get("messages")
+                if not isinstance(messages, list) or not messages or not all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+                    raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+                for m in messages:
+                    if isinstance(m.get("content"), list):  # [{"type": "text", "text": ...}, ...]
+                        m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+                prompt_ids = tok.encode(render_messages(engine.session, messages, options.chat_template))
+            else:
+                prompt = data.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1:
+                    prompt = prompt[0]
+                if not isinstance(prompt, str):
+                    raise BadRequest("'prompt' must be a string")
+                prompt_ids = tok.encode(prompt)
+            gen, stops = generation(data, len(prompt_ids))
+        except BadRequest as e:
+            return _error(str(e), e.status, e.code)
+        except ValueError as e:  # a chat template that refuses the conversation, and the like
+            return _error(str(e))
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        obj = "chat.completion" if chat else "text_completion"
+        cancelled = threading.Event()
+        if data.get("stream"):
+            include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(sse(rid, obj, chat, prompt_ids, gen, stops, cancelled, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        watcher = asyncio.create_task(watch_disconnect(request, cancelled))
+        usage = {}
+        try:
+            parts, reason = [], "length"
+            async for text, r in engine.stream(prompt_ids, gen, stops, cancelled, usage):
+                parts.append(text)
+                reason = r or reason
+        finally:
+            watcher.cancel()
+        text = "".join(parts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+                  if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
+                             "choices": [choice], "usage": usage})
+
+    async def watch_disconnect(request, cancelled):
+        while not cancelled.is_set():
+            if await request.is_disconnected():
+                cancelled.set()
+                return
+            await asyncio.sleep(0.05)
+
+    async def sse(rid, obj, chat, prompt_ids, gen, stops, cancelled, include_usage):
+        def chunk(delta_or_text, reason, usage_=None):
+            base = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": int(time.time()),
+                    "model": model_id}
+            if usage_ is not None:
+                base.update(choices=[], usage=usage_)
+            elif chat:
+                base["choices"] = [{"index": 0, "delta": delta_or_text, "finish_reason": reason}]
+            else:
+                base["choices"] = [{"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": reason}]
+            return f"data: {json.dumps(base, ensure_ascii=False)}\n\n"
+
+        usage = {}
+        try:
+            if chat:
+                yield chunk({"role": "assistant", "content": ""}, None)
+            async for text, reason in engine.stream(prompt_ids, gen, stops, cancelled, usage):
+                if text:
+                    yield chunk({"content": text} if chat else text, None)
+                if reason:
+                    yield chunk({} if chat else "", reason)
+            if include_usage:
+                yield chunk(None, None, usage)
+            yield "data: [DONE]\n\n"
+        finally:
+            cancelled.set()   # the client went away, or we finished: either way stop generating
+
+    async def chat_completions(request):
+        return await handle(request, chat=True)
+
+    async def completions(request):
+        return await handle(request, chat=False)
+
+    async def models(request):
+        try:
+            check_auth(request)
+        except BadRequest as e:
+            return _error(str(e), e.status)
+        return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                                         "owned_by": "pinfer"}]})
+
+    async def health(request):
+        if not engine.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if engine.error is not None:
+            return JSONResponse({"status": "error", "message": str(engine.error)}, status_code=500)
+        return JSONResponse({"status": "ok"})
+
+    app = Starlette(routes=[
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ])
+    app.state.engine = engine
+    return app
