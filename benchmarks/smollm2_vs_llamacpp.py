@@ -24,22 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from pinfer.converter.convert import ConvertOptions, convert
-from pinfer.formats import schema as S
+from pinfer.runtime import bench
 from pinfer.runtime.model import Model, RuntimeOptions
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
 
 
 def weight_bytes_per_token(model):
-    """Bytes of weights one decode step reads: every layer's and the head's, one embedding row."""
-    r, cfg = model.reader, model.cfg
-    total = 0
-    for name, e in r.tensors.items():
-        if name.startswith("blk.") or name == S.OUTPUT_NORM or name.startswith(S.OUTPUT + "."):
-            total += e["nbytes"]
-    embd = sum(e["nbytes"] for n, e in r.tensors.items() if n.startswith(S.TOKEN_EMBD + "."))
-    total += embd if cfg.tied_embeddings else embd // cfg.vocab
-    return total
+    return bench.weight_bytes_per_token(model.reader, model.cfg)
 
 
 def pinfer_decode(model, n):

@@ -8,7 +8,23 @@ import click
 from .common import err, fail_cleanly, open_session, runtime_options, sampler_config, sampling_options
 from .common import verbose as is_verbose
 
-HELP = "/exit quit · /reset forget the conversation · /system TEXT set the system prompt · /stats last reply's speed"
+HELP = ('/exit quit · /reset forget the conversation · /system TEXT set the system prompt · /stats last reply\'s '
+        'speed · end a line with \\ to continue it, or wrap several lines in """')
+
+
+def read_message(prompt="> "):
+    """One message: a line, lines joined by a trailing backslash, or a block between two \"\"\" lines."""
+    line = input(prompt)
+    if line.strip() == '"""':
+        lines = []
+        while (more := input("... ")).strip() != '"""':
+            lines.append(more)
+        return "\n".join(lines)
+    lines = []
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = input("... ")
+    return "\n".join(lines + [line])
 
 
 @click.command("chat")
@@ -33,7 +49,7 @@ def command(ctx, model, system, n_predict, chat_template_file, **kw):
     err(f"pinfer chat: {model.name} loaded in {session.model.load_seconds:.1f} s, context {session.n_ctx}. {HELP}")
     while True:
         try:
-            line = input("> ")
+            line = read_message()
         except EOFError:
             click.echo()
             return
@@ -64,13 +80,16 @@ def command(ctx, model, system, n_predict, chat_template_file, **kw):
             continue
         conv.turns.append({"role": "user", "content": line})
         reply = []
-        with fail_cleanly(is_verbose(ctx)):
+        try:
             ids = conv.prompt_ids(notice=err)
-            try:
-                for step in session.generate(ids, opts):
-                    reply.append(step.text)
-                    click.echo(step.text, nl=False)
-            except KeyboardInterrupt:
-                err("\n[stopped]")
+            for step in session.generate(ids, opts):
+                reply.append(step.text)
+                click.echo(step.text, nl=False)
+        except KeyboardInterrupt:
+            err("\n[stopped]")
+        except ValueError as e:   # a message larger than the context, a template refusing it
+            err(f"[{e}]")
+            conv.turns.pop()
+            continue
         click.echo()
         conv.turns.append({"role": "assistant", "content": "".join(reply)})

@@ -1,4 +1,4 @@
-"""`pinfer inspect FILE`: what a .pinf file holds (header, weights, tensors, sizes)."""
+"""`pinfer inspect FILE`: what a .pinf or .gguf file holds (header or metadata, tensors, sizes)."""
 
 import json
 from pathlib import Path
@@ -28,17 +28,50 @@ def summary(reader):
     }
 
 
+def gguf_summary(path):
+    from pinfer.converter.gguf_source import GGUFSource
+
+    src = GGUFSource(path)
+    meta = {k: (f"[{len(v)} items]" if isinstance(v, list) and len(v) > 16 else v) for k, v in src.meta.items()}
+    if isinstance(meta.get("tokenizer.chat_template"), str):
+        meta["tokenizer.chat_template"] = f"[{len(src.meta['tokenizer.chat_template'])} characters]"
+    tensors = {}
+    for name in sorted(src.tensor_names()):
+        t = src.tensor(name)
+        tensors[name] = {"type": t.ttype.name, "shape": [t.rows, t.k], "nbytes": int(t.raw.nbytes)}
+    return {"file": str(path), "size_bytes": path.stat().st_size, "format": "gguf", "metadata": meta,
+            "tensors": tensors}
+
+
+def _print_gguf(s, tensors):
+    click.echo(f"{s['file']}: {s['size_bytes'] / 1e6:.1f} MB, GGUF, {len(s['tensors'])} tensors")
+    for k, v in s["metadata"].items():
+        click.echo(f"  {k:45s} {v}")
+    types = {}
+    for e in s["tensors"].values():
+        types[e["type"]] = types.get(e["type"], 0) + 1
+    click.echo(f"  tensor types: {', '.join(f'{n} {t}' for t, n in sorted(types.items()))}")
+    if tensors:
+        for n, e in s["tensors"].items():
+            click.echo(f"    {n:40s} {e['type']:6s} {str(tuple(e['shape'])):20s} {e['nbytes'] / 1e6:9.3f} MB")
+
+
 @click.command("inspect")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 @click.option("--tensors/--no-tensors", default=False, help="List every tensor.")
 @click.pass_context
 def command(ctx, path, as_json, tensors):
-    """Show what a .pinf file holds."""
+    """Show what a .pinf or .gguf file holds."""
     from pinfer.formats import PinfReader
 
     with fail_cleanly(is_verbose(ctx)):
-        s = summary(PinfReader(path))
+        with open(path, "rb") as f:
+            is_gguf = f.read(4) == b"GGUF"
+        s = gguf_summary(path) if is_gguf else summary(PinfReader(path))
+    if is_gguf and not as_json:
+        _print_gguf(s, tensors)
+        return
     if as_json:
         click.echo(json.dumps(s, indent=1))
         return

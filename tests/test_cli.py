@@ -57,7 +57,7 @@ def test_perplexity_runs(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["inspect", "{gguf}"], ["magic"]),
+    (["inspect", "{gguf}"], ["GGUF"]),
     (["convert", "{gemma}"], ["gemma3", "llama"]),
     (["generate", "{pinf}"], ["-p"]),
 ])

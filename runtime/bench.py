@@ -1,0 +1,59 @@
+"""llama-bench's measurements on a .pinf model: pp (prefill of N tokens from an empty cache) and
+tg (N single-token decode steps from an empty cache), each repeated, as tokens per second."""
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pinfer.formats import schema as S
+
+from .model import Model, RuntimeOptions
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    test: str            # "pp512" or "tg128"
+    threads: int
+    tps_mean: float
+    tps_sd: float
+    samples: tuple
+    bytes_per_token: int  # weight bytes one decode step reads (tg); all weights once per call (pp)
+
+
+def weight_bytes_per_token(reader, cfg):
+    """Bytes of weights one decode step reads: every layer's and the head's, one embedding row."""
+    total = sum(e["nbytes"] for n, e in reader.tensors.items()
+                if n.startswith("blk.") or n == S.OUTPUT_NORM or n.startswith(S.OUTPUT + "."))
+    embd = sum(e["nbytes"] for n, e in reader.tensors.items() if n.startswith(S.TOKEN_EMBD + "."))
+    return total + (embd if cfg.tied_embeddings else embd // cfg.vocab)
+
+
+def run_bench(path, tests, threads, repetitions=5, seed=0):
+    """tests: [("pp", 512), ("tg", 128), ...]; returns a BenchResult per (test, thread count)."""
+    out = []
+    rng = np.random.default_rng(seed)
+    for t in threads:
+        need = max(n for _, n in tests) + 1
+        model = Model(path, RuntimeOptions(n_ctx=max(need, 16), threads=t))
+        nbytes = weight_bytes_per_token(model.reader, model.cfg)
+        vocab = model.cfg.vocab
+        for kind, n in tests:
+            samples = []
+            for rep in range(repetitions + 1):      # the first run warms up and is dropped
+                tokens = [int(x) for x in rng.integers(0, vocab, n)]
+                model.reset()
+                t0 = time.perf_counter()
+                if kind == "pp":
+                    model.forward(tokens)
+                else:
+                    for tok in tokens:
+                        model.forward([tok])
+                dt = time.perf_counter() - t0
+                if rep:
+                    samples.append(n / dt)
+            sd = statistics.stdev(samples) if len(samples) > 1 else 0.0
+            out.append(BenchResult(f"{kind}{n}", t, statistics.mean(samples), sd, tuple(samples), nbytes))
+        del model
+    return out
