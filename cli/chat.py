@@ -72,8 +72,10 @@ def command(ctx, model, system, n_predict, chat_template_file, **kw):
             continue
         if cmd == "/stats":
             s = session.stats
+            sparsity = session.model.reader.header["sparsity"].get("mode", "dense")
             err(f"prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tok/s, "
-                f"reply {s.decode_tokens} tokens at {s.decode_tps:.1f} tok/s")
+                f"reply {s.decode_tokens} tokens at {s.decode_tps:.1f} tok/s, sparsity {sparsity}"
+                f"{' (every FFN neuron computed)' if sparsity == 'dense' else ''}")
             continue
         if cmd in ("/help", "/?"):
             err(HELP)

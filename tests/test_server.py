@@ -88,11 +88,11 @@ def test_completions_both_ways_and_stop_sequences(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny", prompt="the cat", max_tokens=30, temperature=0, stream=True))
     assert streamed == text
-    if len(text) > 6:
-        stop = text[3:6]
-        cut = client.completions.create(model="tiny", prompt="the cat", max_tokens=30, temperature=0, stop=[stop])
-        assert cut.choices[0].text == text[:text.index(stop)]
-        assert cut.choices[0].finish_reason == "stop"
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = client.completions.create(model="tiny", prompt="the cat", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
 
 
 def test_bad_api_key(server):
