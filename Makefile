@@ -7,7 +7,7 @@ SMOLLM2 := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 DEMO_PINF := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.pinf
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test fuzz bench clean
 
 # torch is pinned to the CPU build that pip finds locally (a bare `torch` pulls a multi-GB CUDA
 # build); for a CUDA machine see README.md.
@@ -33,6 +33,10 @@ demo: install $(SMOLLM2)
 
 test: install
 	$(PY) -m pytest
+
+# The long fuzzing run: 20,000 cases per parser (make test runs 1,000).
+fuzz: install
+	PINFER_FUZZ_EXAMPLES=20000 $(PY) -m pytest tests/test_fuzz.py -W ignore
 
 # Compares with llama.cpp; builds llama-cpp-python (about 10 minutes) in its own venv. Not in CI.
 bench: install $(SMOLLM2)

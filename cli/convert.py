@@ -15,8 +15,12 @@ from .common import fail_cleanly, verbose
 @click.pass_context
 def command(ctx, source, output, force):
     """Convert a GGUF model into a .pinf file."""
+    import signal
+
     from pinfer.converter.convert import ConvertOptions, convert
 
+    # SIGTERM unwinds like Ctrl-C, so the partial output is removed on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with fail_cleanly(verbose(ctx)):
         out = convert(ConvertOptions(source=source, output=output, force=force))
     click.echo(str(out))

@@ -40,9 +40,9 @@ def _version(ctx, value):
 
 
 def _register():
-    from . import bench, chat, convert, generate, inspect, perplexity, serve  # noqa: F401 (each adds its verb)
+    from . import bench, chat, convert, generate, inspect, perplexity, serve, verify  # noqa: F401 (each adds its verb)
 
-    for mod in (convert, generate, chat, perplexity, inspect, serve, bench):
+    for mod in (convert, generate, chat, perplexity, inspect, serve, bench, verify):
         cli.add_command(mod.command)
 
 

@@ -1,5 +1,6 @@
 """`pinfer convert`: the compiler driver. Front end -> passes -> back end -> one `.pinf` file."""
 
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ import numpy as np
 
 from pinfer.formats import PinfWriter, blocks
 from pinfer.formats import schema as S
+from pinfer.formats.writer import partial_path
 
 from . import arch, graphs
 from .gguf_source import GGUFSource, SourceError
@@ -90,6 +92,7 @@ def convert(opts):
     except (SourceError, arch.UnsupportedArchitecture, ValueError) as e:
         raise ConvertError(f"{src_path.name}: {e}") from None
     T = mod.TENSORS
+    _check_disk(src, out)
     _log(f"pinfer convert: {src_path.name}: {cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, "
          f"n_ff {cfg.n_ff}, heads {cfg.n_head}/{cfg.n_head_kv}, vocab {cfg.vocab}")
     missing = [n for key, n in T.items() if "{}" not in n and key not in ("output", "rope_freqs") and n not in names]
@@ -142,6 +145,21 @@ def convert(opts):
     _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s; "
          f"{len(em.errors)} tensors re-quantized, worst relative error {worst:.2e}")
     return out
+
+
+def _check_disk(src, out):
+    """Remove a partial file left by a killed run, and refuse to start without room for the output."""
+    stale = partial_path(out)
+    if stale.exists():
+        _log(f"removing {stale.name}, left by an interrupted conversion")
+        stale.unlink()
+    # Formats are carried over or re-quantized to at most 8.5 bits, so the output is at most about
+    # twice the source's 4-bit tensors; graphs and header add a few MB.
+    planned = 2 * sum(src.tensor(n).raw.nbytes for n in src.tensor_names()) + (16 << 20)
+    free = shutil.disk_usage(out.resolve().parent).free
+    if free < planned:
+        raise ConvertError(f"{out.parent} has {free / 1e9:.2f} GB free and the output may need up to "
+                           f"{planned / 1e9:.2f} GB; free some space or write elsewhere with -o")
 
 
 def _layer(src, T, cfg, i, w, em):

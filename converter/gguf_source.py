@@ -9,6 +9,8 @@ from gguf import GGUFReader, GGUFValueType
 
 from pinfer.formats import blocks
 
+from .gguf_check import GGUFCheckError, check_gguf
+
 
 class SourceError(ValueError):
     pass
@@ -42,8 +44,11 @@ class GGUFSource:
     def __init__(self, path):
         self.path = Path(path)
         try:
+            check_gguf(self.path)   # gguf-py trusts the counts it reads; check them first
             self._r = GGUFReader(self.path, "r")
-        except (ValueError, OSError, IndexError, KeyError) as e:
+        except GGUFCheckError as e:
+            raise SourceError(str(e)) from None
+        except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as e:
             raise SourceError(f"{self.path} could not be read as GGUF ({e}); "
                               "pass a .gguf model file") from None
         self.meta = {k: _value(f) for k, f in self._r.fields.items() if not k.startswith("GGUF.")}

@@ -52,6 +52,7 @@ class PinfReader:
         if not isinstance(header, dict) or any(k not in header for k in S.HEADER_KEYS):
             self._fail(f"the header lacks some of the keys {list(S.HEADER_KEYS)}")
         self.data_end = off
+        self.header_end = off + length
         return header
 
     def _check_directory(self):
@@ -108,14 +109,29 @@ class PinfReader:
         return self.tensor(self.header["graphs"][name]).tobytes()
 
     def verify(self, progress=None):
-        """Check every tensor's checksum; returns the names of the damaged ones."""
+        """Check every byte: each tensor against its checksum, and the padding around them (which
+        the writer fills with zeros). Returns the names of the damaged sections; the header was
+        already checked when the file was opened. `progress(nbytes)` is called as data is read."""
+        def nonzero(a, b):
+            return b > a and self._mm[a:b].count(0) != b - a
+
         bad = []
-        for name, e in self.tensors.items():
-            h = hashlib.sha256(self._mm[e["offset"]:e["offset"] + e["nbytes"]]).hexdigest()
+        if nonzero(S.PREAMBLE.size, S.ALIGNMENT):
+            bad.append("preamble padding")
+        pos = S.ALIGNMENT
+        for name, e in sorted(self.tensors.items(), key=lambda kv: kv[1]["offset"]):
+            if nonzero(pos, e["offset"]):
+                bad.append(f"padding before {name}")
+            h = hashlib.sha256(memoryview(self._mm)[e["offset"]:e["offset"] + e["nbytes"]]).hexdigest()
             if h != e["sha256"]:
                 bad.append(name)
+            pos = e["offset"] + e["nbytes"]
             if progress:
                 progress(e["nbytes"])
+        if nonzero(pos, self.data_end):
+            bad.append("padding before the header")
+        if self.header_end != self.size:
+            bad.append("bytes after the header")
         return bad
 
     def close(self):

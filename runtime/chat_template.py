@@ -9,6 +9,8 @@ filter, a `namespace` that refuses underscore names, loop controls and the train
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import datetime
 from functools import lru_cache
 
@@ -81,12 +83,67 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# Resource limits for one render: templates come from strangers and must not hang or eat memory.
+LIMITS = {"seconds": 2.0, "steps": 2_000_000, "output_chars": 4_000_000, "value_chars": 1_000_000}
+_meter = threading.local()
+
+
+def _tick(n=1):
+    """Count work done by the template; raise TemplateError past a limit."""
+    m = getattr(_meter, "state", None)
+    if m is None:
+        return
+    m[0] += n
+    if m[0] > LIMITS["steps"] or (m[0] & 1023) == 0 and time.monotonic() > m[1]:
+        raise TemplateError("Chat template used too much time; it was stopped (a loop that does not end?)")
+
+
+def _metered_range(*args):
+    r = range(*args)
+    if len(r) > LIMITS["steps"]:
+        raise TemplateError(f"Chat template asked for range({', '.join(map(str, args))}), which is too long")
+    for i in r:
+        _tick()
+        yield i
+
+
+class _LimitedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus a budget of steps and time per render and a size limit on
+    strings and lists that the template builds with *, ** or +."""
+
+    intercepted_binops = frozenset(["*", "**", "+"])
+
+    def call(self, context, obj, *args, **kwargs):
+        _tick()
+        return super().call(context, obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+        _tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _tick()
+        return super().getitem(obj, argument)
+
+    def call_binop(self, context, operator, left, right):
+        _tick()
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+            raise TemplateError("Chat template raised a number to a huge power; it was stopped")
+        if operator == "*":
+            for a, b in ((left, right), (right, left)):
+                if isinstance(a, (str, list, tuple)) and isinstance(b, int) and len(a) * b > LIMITS["value_chars"]:
+                    raise TemplateError("Chat template built a value that is too large; it was stopped")
+        result = super().call_binop(context, operator, left, right)
+        if isinstance(result, (str, list, tuple)) and len(result) > LIMITS["value_chars"]:
+            raise TemplateError("Chat template built a value that is too large; it was stopped")
+        return result
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    # Seam for resource limits against hostile templates (output size, loop counts, time):
-    # a subclass of the sandbox overriding call/getattr hooks would be installed here.
-    env = ImmutableSandboxedEnvironment(
+    env = _LimitedSandbox(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.globals["range"] = _metered_range
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
                        namespace=_Namespace)
@@ -115,8 +172,18 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
     context = {**(extra or {}), "messages": messages,
                "add_generation_prompt": add_generation_prompt,
                "bos_token": bos_token, "eos_token": eos_token}
+    _meter.state = [0, time.monotonic() + LIMITS["seconds"]]
     try:
-        return compiled.render(context)
+        out, size = [], 0
+        for chunk in compiled.generate(context):
+            size += len(chunk)
+            if size > LIMITS["output_chars"]:
+                raise TemplateError("Chat template produced too much text; it was stopped")
+            _tick()
+            out.append(chunk)
+        return "".join(out)
+    except TemplateError:
+        raise
     except _RaisedByTemplate as err:
         raise TemplateError(f"Chat template refused the conversation: {err}") from err
     except jinja2.exceptions.SecurityError as err:
@@ -126,3 +193,5 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
     except Exception as err:  # a template is a program: TypeError, KeyError, ... surface as one type
         raise TemplateError(f"Chat template failed while rendering: "
                             f"{type(err).__name__}: {err}") from err
+    finally:
+        _meter.state = None

@@ -1,0 +1,159 @@
+"""A bounds-checking walk over a GGUF file's header, run before gguf-py's reader sees the file.
+
+gguf-py trusts the counts and lengths it reads: a string array claiming 10^12 items makes it loop
+for ever, a tensor claiming 10^12 elements makes NumPy try to map it. This walk reads only the
+header, checks every count, length, dimension, type and offset against the file size and sane
+limits, and raises one GGUFCheckError sentence naming what is wrong."""
+
+import struct
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+MAX_KV = 1 << 16
+MAX_TENSORS = 1 << 20
+MAX_DIMS = 4                      # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 2
+ALIGNMENT_KEY = "general.alignment"
+
+# GGUF value type -> struct format of one scalar (string = 8, array = 9 handled apart)
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+class GGUFCheckError(ValueError):
+    pass
+
+
+class _Cursor:
+    def __init__(self, f, size, path):
+        self.f, self.size, self.path, self.pos = f, size, path, 0
+
+    def fail(self, what):
+        raise GGUFCheckError(f"{self.path} is not a valid GGUF file: {what} (at byte {self.pos}); "
+                             "the file is damaged or not a GGUF model")
+
+    def read(self, n):
+        if n < 0 or self.pos + n > self.size:
+            self.fail(f"it needs {n} more bytes but the file ends at {self.size}")
+        data = self.f.read(n)
+        self.pos += n
+        return data
+
+    def skip(self, n):
+        if n < 0 or self.pos + n > self.size:
+            self.fail(f"a value of {n} bytes runs past the end of the file")
+        self.f.seek(n, 1)
+        self.pos += n
+
+    def unpack(self, fmt):
+        s = struct.Struct("<" + fmt)
+        return s.unpack(self.read(s.size))[0]
+
+    def string(self, what, keep=True, limit=1 << 20):
+        n = self.unpack("Q")
+        if n > self.size - self.pos:
+            self.fail(f"{what} claims {n} bytes, more than the file holds")
+        if not keep or n > limit:
+            self.skip(n)
+            return None
+        try:
+            return self.read(n).decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not UTF-8")
+
+
+def _value(c, vtype, key, depth=0):
+    if vtype in SCALARS:
+        return c.unpack(SCALARS[vtype])
+    if vtype == STRING:
+        return c.string(f"the value of {key!r}")
+    if vtype == ARRAY:
+        if depth >= MAX_ARRAY_DEPTH:
+            c.fail(f"{key!r} nests arrays deeper than {MAX_ARRAY_DEPTH}")
+        itype, count = c.unpack("I"), c.unpack("Q")
+        if itype in SCALARS:
+            size = struct.calcsize("<" + SCALARS[itype])
+            if count * size > c.size - c.pos:
+                c.fail(f"the array {key!r} claims {count} items, more than the file holds")
+            c.skip(count * size)
+        elif itype == STRING:
+            if count * 8 > c.size - c.pos:
+                c.fail(f"the array {key!r} claims {count} strings, more than the file holds")
+            for _ in range(count):
+                c.string(f"an item of {key!r}", keep=False)
+        elif itype == ARRAY:
+            if count * 12 > c.size - c.pos:
+                c.fail(f"the array {key!r} claims {count} arrays, more than the file holds")
+            for _ in range(count):
+                _value(c, ARRAY, key, depth + 1)
+        else:
+            c.fail(f"the array {key!r} has unknown item type {itype}")
+        return None
+    c.fail(f"{key!r} has unknown value type {vtype}")
+
+
+def check_gguf(path):
+    """Walk the header of `path`; returns (version, n_tensors, n_kv) or raises GGUFCheckError."""
+    import os
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        c = _Cursor(f, size, path)
+        if c.read(4) != MAGIC:
+            c.pos = 0
+            c.fail("it does not start with the GGUF magic")
+        version = c.unpack("I")
+        if version not in VERSIONS:
+            c.fail(f"version {version} is not one of {VERSIONS}")
+        n_tensors, n_kv = c.unpack("Q"), c.unpack("Q")
+        if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
+            c.fail(f"it claims {n_tensors} tensors and {n_kv} metadata keys")
+        alignment = 32
+        for _ in range(n_kv):
+            key = c.string("a metadata key", limit=1 << 16)
+            if not key:
+                c.fail("a metadata key is empty or too long")
+            v = _value(c, c.unpack("I"), key)
+            if key == ALIGNMENT_KEY:
+                if not isinstance(v, int) or v <= 0 or v & (v - 1) or v > 1 << 20:
+                    c.fail(f"general.alignment is {v}, not a power of two")
+                alignment = v
+        tensors = []
+        names = set()
+        for _ in range(n_tensors):
+            name = c.string("a tensor name", limit=1 << 12)
+            if not name or name in names:
+                c.fail(f"tensor name {name!r} is empty, too long or repeated")
+            names.add(name)
+            n_dims = c.unpack("I")
+            if not 1 <= n_dims <= MAX_DIMS:
+                c.fail(f"tensor {name!r} has {n_dims} dimensions")
+            dims = [c.unpack("Q") for _ in range(n_dims)]
+            ttype, offset = c.unpack("I"), c.unpack("Q")
+            try:
+                block, nbytes_block = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                c.fail(f"tensor {name!r} has unknown type {ttype}")
+            n = 1
+            for d in dims:
+                if d == 0 or d > size * 8:
+                    c.fail(f"tensor {name!r} has dimension {d}")
+                n *= d
+            if dims[0] % block or n > size * 8:
+                c.fail(f"tensor {name!r} of shape {dims} does not fit type {GGMLQuantizationType(ttype).name}")
+            tensors.append((name, offset, n // block * nbytes_block))
+        data_start = (c.pos + alignment - 1) // alignment * alignment
+        spans = []
+        for name, offset, nbytes in tensors:
+            start = data_start + offset
+            if offset % alignment or start + nbytes > size:
+                c.pos = start
+                c.fail(f"tensor {name!r} ({nbytes} bytes at offset {offset}) lies outside the file")
+            spans.append((start, start + nbytes, name))
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                c.fail(f"tensors {a!r} and {b!r} overlap")
+    return version, n_tensors, n_kv

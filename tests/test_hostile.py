@@ -1,0 +1,150 @@
+"""Broken and hostile files: damaged .pinf sections named by `pinfer verify`, a conversion killed at
+any moment leaving no partial output, and GGUF headers whose counts lie."""
+
+import contextlib
+import io
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+from fixtures import make_tiny_llama_gguf
+
+from pinfer.converter.convert import ConvertError, ConvertOptions, convert
+from pinfer.formats import PinfFormatError, PinfReader
+from pinfer.formats import schema as S
+from pinfer.formats.writer import partial_path
+
+
+@pytest.fixture(scope="module")
+def pinf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    src = make_tiny_llama_gguf(d / "t.gguf", qtype="Q4_1")
+    with contextlib.redirect_stderr(io.StringIO()):
+        return convert(ConvertOptions(src, d / "t.pinf"))
+
+
+def flipped(path, offset, tmp_path):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x5A
+    out = tmp_path / "damaged.pinf"
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_verify_names_every_damaged_tensor_and_padding(pinf, tmp_path):
+    r = PinfReader(pinf)
+    entries = sorted(r.tensors.items(), key=lambda kv: kv[1]["offset"])
+    for name, e in entries:
+        if e["nbytes"]:
+            assert PinfReader(flipped(pinf, e["offset"] + e["nbytes"] // 2, tmp_path)).verify() == [name]
+    first_gap = next(e["offset"] + e["nbytes"] for _, e in entries if e["nbytes"] % S.ALIGNMENT)
+    assert PinfReader(flipped(pinf, first_gap, tmp_path)).verify()[0].startswith("padding before")
+    assert PinfReader(flipped(pinf, S.PREAMBLE.size + 1, tmp_path)).verify() == ["preamble padding"]
+
+
+@pytest.mark.parametrize("where, words", [(0, "magic"), (8, "version"), ("header", "checksum")])
+def test_damaged_preamble_or_header_is_named(pinf, tmp_path, where, words):
+    if where == "header":
+        where = S.PREAMBLE.unpack(pinf.read_bytes()[:S.PREAMBLE.size])[3] + 3
+    with pytest.raises(PinfFormatError, match=words):
+        PinfReader(flipped(pinf, where, tmp_path))
+
+
+def test_verify_command_exit_codes(pinf, tmp_path):
+    e = PinfReader(pinf).tensors["blk.0.ffn_down_t.q"]
+    bad = flipped(pinf, e["offset"] + 5, tmp_path)
+    run = lambda p: subprocess.run([sys.executable, "-m", "pinfer", "verify", str(p)],  # noqa: E731
+                                   capture_output=True, text=True, timeout=120)
+    ok, broken = run(pinf), run(bad)
+    assert ok.returncode == 0 and "OK" in ok.stdout
+    assert broken.returncode == 1 and "blk.0.ffn_down_t.q" in broken.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_interrupted_convert_leaves_no_partial_output(tmp_path, sig):
+    src = make_tiny_llama_gguf(tmp_path / "big.gguf", qtype="F32", n_layer=8, d_model=256, n_ff=1024, n_head=4)
+    dest = tmp_path / "big.pinf"
+    cmd = [sys.executable, "-m", "pinfer", "convert", str(src), "-o", str(dest)]
+    interrupted = 0
+    for delay in (0.0, 0.02, 0.05, 0.1, 0.2):
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not partial_path(dest).exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.002)
+        time.sleep(delay)
+        if p.poll() is None:
+            interrupted += 1
+            os.kill(p.pid, sig)
+        p.wait(60)
+        if dest.exists():        # it finished before the signal: then it must be whole
+            assert PinfReader(dest).verify() == []
+            dest.unlink()
+        if sig != signal.SIGKILL:
+            assert not partial_path(dest).exists()
+    assert interrupted >= 2
+    # after any of it, the next run succeeds and leaves no temporary file
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    assert PinfReader(dest).verify() == [] and not partial_path(dest).exists()
+
+
+def header_with(tmp_path, kv_count_patch=None, **kw):
+    src = make_tiny_llama_gguf(tmp_path / "h.gguf", qtype="Q8_0", **kw)
+    return src, bytearray(src.read_bytes())
+
+
+@pytest.mark.parametrize("patch, words", [
+    (lambda b: b.__setitem__(slice(0, 4), b"GGML"), "magic"),
+    (lambda b: b.__setitem__(slice(4, 8), struct.pack("<I", 99)), "version"),
+    (lambda b: b.__setitem__(slice(16, 24), struct.pack("<Q", 10 ** 12)), "metadata keys"),
+    (lambda b: b.__setitem__(slice(8, 16), struct.pack("<Q", 10 ** 12)), "tensors"),
+    (lambda b: b.__delitem__(slice(len(b) // 2, None)), "outside the file"),
+])
+def test_lying_gguf_headers_get_one_sentence(tmp_path, patch, words):
+    src, data = header_with(tmp_path)
+    patch(data)
+    src.write_bytes(bytes(data))
+    with pytest.raises(ConvertError, match=words) as e:
+        convert(ConvertOptions(src, tmp_path / "out.pinf"))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out.pinf").exists()
+
+
+def test_huge_string_array_is_refused_fast(tmp_path):
+    src, data = header_with(tmp_path)
+    key = b"tokenizer.ggml.tokens"
+    i = data.find(key) + len(key)
+    data[i + 4:i + 12] = struct.pack("<Q", 10 ** 12)   # after the item type: the item count
+    src.write_bytes(bytes(data))
+    t = time.time()
+    with pytest.raises(ConvertError, match="tokenizer.ggml.tokens"):
+        convert(ConvertOptions(src, tmp_path / "out.pinf"))
+    assert time.time() - t < 10
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",   # endless work
+    "{{ 'x' * 10**9 }}",                                                               # huge string
+    "{% set s = namespace(v='ab') %}{% for i in range(60) %}{% set s.v = s.v + s.v %}{% endfor %}{{ s.v }}",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",                              # recursion
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",                                  # escape attempt
+])
+def test_hostile_chat_templates_are_stopped(template):
+    from pinfer.runtime.chat_template import TemplateError, render_chat
+
+    t = time.time()
+    with pytest.raises(TemplateError):
+        render_chat(template, [{"role": "user", "content": "hi"}])
+    assert time.time() - t < 5
+
+
+def test_no_pickle_anywhere():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = "".join(p.read_text() for d in ("formats", "converter", "runtime", "cli", "kernels")
+                   for p in (root / d).rglob("*.py"))
+    assert "import pickle" not in code and "torch.load(" not in code
