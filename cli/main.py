@@ -1,11 +1,6 @@
 """The `pinfer` command: a click group whose verbs live one per module in this package."""
 
-import sys
-import traceback
-
 import click
-
-from .common import fail_cleanly
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -50,8 +45,5 @@ _register()
 
 
 def main():
-    with fail_cleanly("-v" in sys.argv or "--verbose" in sys.argv):
-        cli(standalone_mode=True)
-
-
-__all__ = ["cli", "main", "traceback"]
+    # Each verb turns pinfer's errors into one sentence itself (common.fail_cleanly).
+    cli()

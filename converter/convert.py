@@ -110,7 +110,7 @@ def convert(opts):
             em.put(S.OUTPUT, f, parts, fl)
         w.add_tensor(S.OUTPUT_NORM, src.floats(T["output_norm"]).reshape(-1))
         if T["rope_freqs"] in names:
-            w.add_tensor("rope_freqs", src.floats(T["rope_freqs"]).reshape(-1))
+            w.add_tensor(S.ROPE_FREQS, src.floats(T["rope_freqs"]).reshape(-1))
         for i in range(cfg.n_layer):
             _layer(src, T, cfg, i, w, em)
             _log(f"  layer {i + 1}/{cfg.n_layer} written ({time.perf_counter() - t0:.1f} s)")

@@ -82,8 +82,7 @@ ATTN_OUT = "blk.{}.attn_output"             # (d_model, n_head head_dim)
 FFN_NORM = "blk.{}.ffn_norm.weight"         # (d_model,)
 FFN_GATE_UP = "blk.{}.ffn_gate_up"          # (n_ff, 2, d_model) neuron j: gate row, up row
 FFN_DOWN_T = "blk.{}.ffn_down_t"            # (n_ff, d_model) column j of W_down as row j
-ROPE_COS = "rope.cos"                       # (max_ctx, rotary_dim/2) f32
-ROPE_SIN = "rope.sin"                       # (max_ctx, rotary_dim/2) f32
+ROPE_FREQS = "rope_freqs"                  # (rotary_dim/2,) Llama 3 frequency divisors, optional
 GRAPH = "graph.{}"                          # serialized onnx.ModelProto, u8 (nbytes,)
 
 # Graph names: one per layer plus the head.

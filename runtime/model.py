@@ -83,21 +83,19 @@ class Model:
         t0 = time.perf_counter()
         self.reader = r = PinfReader(path)
         self.cfg = cfg = ModelConfig.from_dict(r.header["config"])
-        self.options = options
         self.n_ctx = options.n_ctx or min(cfg.n_ctx_train, DEFAULT_CTX)
         self.threads = options.threads or os.cpu_count() or 1
         self.tokenizer_spec = r.header["tokenizer"]
         self.embd_format, self.embd_parts = r.block(S.TOKEN_EMBD)
 
-        so_threads = self.threads
-        self.layers = [self._session(S.LAYER_GRAPH.format(i), so_threads) for i in range(cfg.n_layer)]
-        self.head = self._session(S.HEAD_GRAPH, so_threads)
+        self.layers = [self._session(S.LAYER_GRAPH.format(i), self.threads) for i in range(cfg.n_layer)]
+        self.head = self._session(S.HEAD_GRAPH, self.threads)
         self.downs = [DownProjection(*r.block(S.FFN_DOWN_T.format(i)), self.threads, cfg.n_ff, cfg.d_model)
                       for i in range(cfg.n_layer)]
 
         kv_shape = (1, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
         self.kv = [(np.zeros(kv_shape, np.float32), np.zeros(kv_shape, np.float32)) for _ in range(cfg.n_layer)]
-        freqs = r.tensor("rope_freqs") if "rope_freqs" in r else None
+        freqs = r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None
         self.cos, self.sin = rope_tables(cfg, self.n_ctx, freqs)
         self.seqlens = np.zeros(1, np.int32)     # GroupQueryAttention: total length - 1
         self.total = np.zeros((), np.int32)      # total length after this call

@@ -91,7 +91,7 @@ def test_interrupted_convert_leaves_no_partial_output(tmp_path, sig):
     assert PinfReader(dest).verify() == [] and not partial_path(dest).exists()
 
 
-def header_with(tmp_path, kv_count_patch=None, **kw):
+def header_with(tmp_path, **kw):
     src = make_tiny_llama_gguf(tmp_path / "h.gguf", qtype="Q8_0", **kw)
     return src, bytearray(src.read_bytes())
 
