@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml setup.py kernels/csrc/*.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,convert]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -39,7 +39,18 @@ def runtime_options(f):
                      help="Context size in tokens (0: the model's, capped at 4096).")(f)
     f = click.option("-t", "--threads", type=int, default=0, show_default=True,
                      help="CPU threads (0: all cores).")(f)
+    f = click.option("--sparsity", default="", metavar="MODE[:VALUE]",
+                     help="Override the file's per-layer FFN modes: dense, down:S, predicted:R or relu:R "
+                          "(values the converter calibrated; see pinfer inspect).")(f)
+    f = click.option("--dense", is_flag=True, help="Compute every FFN neuron (same as --sparsity dense).")(f)
     return f
+
+
+def runtime_config(kw):
+    from pinfer.runtime.model import RuntimeOptions
+
+    return RuntimeOptions(n_ctx=kw["n_ctx"], threads=kw["threads"],
+                          sparsity="dense" if kw.get("dense") else kw.get("sparsity", ""))
 
 
 def sampling_options(f):
@@ -69,9 +80,8 @@ def sampler_config(kw):
 
 def open_session(path, kw):
     from pinfer.runtime.generate import Session
-    from pinfer.runtime.model import RuntimeOptions
 
-    return Session(path, RuntimeOptions(n_ctx=kw["n_ctx"], threads=kw["threads"]))
+    return Session(path, runtime_config(kw))
 
 
 def err(msg):

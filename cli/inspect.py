@@ -87,7 +87,13 @@ def command(ctx, path, as_json, tensors):
     for base, f in s["weights"].items():
         fmts[f] = fmts.get(f, 0) + 1
     click.echo(f"  weights    {', '.join(f'{n} {f}' for f, n in sorted(fmts.items()))}")
-    click.echo(f"  sparsity   {s['sparsity']}")
+    sp = s["sparsity"]
+    click.echo(f"  sparsity   {sp.get('mode')}: {', '.join(sp.get('chosen', [])) or 'dense (not calibrated)'}")
+    if sp.get("reason"):
+        click.echo(f"             {sp['reason']}")
+    for row in sp.get("heldout", {}).get("points", []):
+        click.echo(f"             {row['point']:<16} held-out PPL {row['ppl']:.3f} ({row['increase']:+.2%}), "
+                   f"FFN {row['ffn_bytes'] / 1e6:.2f} MB/token")
     total = sum(e["nbytes"] for e in s["tensors"].values())
     click.echo(f"  tensors    {len(s['tensors'])}, {total / 1e6:.1f} MB")
     if tensors:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from .common import err, fail_cleanly, runtime_options
+from .common import err, fail_cleanly, runtime_config, runtime_options
 from .common import verbose as is_verbose
 
 
@@ -15,18 +15,22 @@ from .common import verbose as is_verbose
 @click.option("--chunks", type=int, default=-1, show_default=True, help="Chunks to score (-1: all).")
 @runtime_options
 @click.pass_context
-def command(ctx, model, text_file, chunks, n_ctx, threads):
+def command(ctx, model, text_file, chunks, **kw):
     """Perplexity of a text, scored like llama.cpp's llama-perplexity."""
-    from pinfer.runtime.model import Model, RuntimeOptions
+    from dataclasses import replace
+
+    from pinfer.runtime.model import Model
     from pinfer.runtime.perplexity import perplexity
     from pinfer.runtime.tokenizer import Tokenizer
 
-    n_ctx = n_ctx or 512
+    n_ctx = kw["n_ctx"] or 512
     with fail_cleanly(is_verbose(ctx)):
-        m = Model(model, RuntimeOptions(n_ctx=n_ctx, threads=threads))
+        m = Model(model, replace(runtime_config(kw), n_ctx=n_ctx))
         tok = Tokenizer.from_spec(m.tokenizer_spec)
         text = Path(text_file).read_text(encoding="utf-8")
         res = perplexity(m, tok, text, n_ctx=n_ctx, n_chunks=chunks,
                          on_chunk=lambda i, n, p: err(f"[{i}/{n}] {p:.4f}"))
+    gu, down = m.counters.fractions()
     click.echo(f"PPL = {res.ppl:.4f} +/- {res.stderr:.4f} ({res.chunks} chunks of {n_ctx}, "
-               f"{res.tokens_scored} tokens scored)")
+               f"{res.tokens_scored} tokens scored; sparsity {', '.join(m.sparsity_names)}: "
+               f"{gu:.1%} of gate/up rows and {down:.1%} of down rows read)")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from .common import err, runtime_options
+from .common import err, runtime_config, runtime_options
 
 
 @click.command("serve")
@@ -17,14 +17,13 @@ from .common import err, runtime_options
 @click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A Jinja chat template to use instead of the model's.")
 @runtime_options
-def command(model, host, port, api_key, max_tokens_limit, chat_template_file, n_ctx, threads):
+def command(model, host, port, api_key, max_tokens_limit, chat_template_file, **kw):
     """Serve a model over an OpenAI-compatible HTTP API."""
     import uvicorn
 
-    from pinfer.runtime.model import RuntimeOptions
     from pinfer.runtime.server import ServerOptions, make_app
 
-    opts = ServerOptions(runtime=RuntimeOptions(n_ctx=n_ctx, threads=threads), api_key=api_key,
+    opts = ServerOptions(runtime=runtime_config(kw), api_key=api_key,
                          max_tokens_limit=max_tokens_limit,
                          chat_template=Path(chat_template_file).read_text() if chat_template_file else None)
     err(f"pinfer serve: {model.name} on http://{host}:{port}/v1 (not meant for production serving)")

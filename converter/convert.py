@@ -13,8 +13,12 @@ from pinfer.formats import PinfWriter, blocks
 from pinfer.formats import schema as S
 from pinfer.formats.writer import partial_path
 
-from . import arch, graphs
+from . import arch, graphs, passes
+from . import plan as PL
+from .passes import PassOptions
 from .gguf_source import GGUFSource, SourceError
+
+QUANT_CHOICES = ("auto", "int4", "fp16", "mixed")
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,15 @@ class ConvertOptions:
     source: Path
     output: Path | None = None   # default: the source path with the suffix .pinf
     force: bool = False          # overwrite an existing output
+    passes: PassOptions = PassOptions()
+    # FFN bundles: auto carries source blocks over exactly where the layout allows (re-quantized
+    # rows stay 4-bit for 4-bit sources, else q8); int4 and fp16 force those formats; mixed keeps
+    # in fp16 the hot prefix of each layer that the placement plan puts in --target-vram, the rest int4.
+    quant: str = "auto"
+    target_vram_gib: float = 11.0   # the default placement plan's budget (an RTX 2080 Ti)
+    dry_run: bool = False
+    report: bool = True             # <out>.report.json and plots
+    verify: bool = True             # reload the file and compare with the source model
 
 
 class ConvertError(ValueError):
@@ -92,15 +105,33 @@ def convert(opts):
     except (SourceError, arch.UnsupportedArchitecture, ValueError) as e:
         raise ConvertError(f"{src_path.name}: {e}") from None
     T = mod.TENSORS
-    _check_disk(src, out)
-    _log(f"pinfer convert: {src_path.name}: {cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, "
-         f"n_ff {cfg.n_ff}, heads {cfg.n_head}/{cfg.n_head_kv}, vocab {cfg.vocab}")
+    if opts.quant not in QUANT_CHOICES:
+        raise ConvertError(f"--quant {opts.quant!r} is not one of {', '.join(QUANT_CHOICES)}")
+    try:
+        passes.parse_sparsity(opts.passes.sparsity, cfg)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
     missing = [n for key, n in T.items() if "{}" not in n and key not in ("output", "rope_freqs") and n not in names]
     missing += [T[k].format(i) for i in range(cfg.n_layer) for k in T if "{}" in T[k] and T[k].format(i) not in names]
     if missing:
         raise ConvertError(f"{src_path} lacks tensors a {cfg.arch} model needs: {', '.join(missing[:5])}"
                            f"{' ...' if len(missing) > 5 else ''}")
+    _log(f"pinfer convert: {src_path.name}: {cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, "
+         f"n_ff {cfg.n_ff}, heads {cfg.n_head}/{cfg.n_head_kv}, vocab {cfg.vocab}, FFN {cfg.ffn_act}")
+    if opts.dry_run:
+        from .report import dry_run
+        dry_run(src, T, cfg, opts, out)
+        return None
+    _check_disk(src, out)
+    layout = passes.run(src, T, cfg, tokenizer, opts.passes, opts.quant)
 
+    hot_rows = passes.mixed_split(src, T, cfg, layout, opts.target_vram_gib, _plan_ctx(cfg)) \
+        if opts.quant == "mixed" else None
+    if hot_rows is not None:
+        _log(f"mixed: fp16 for the hottest {sum(hot_rows)} of {cfg.n_layer * cfg.n_ff} neurons "
+             f"(the plan for {opts.target_vram_gib:g} GiB), int4 for the rest")
+
+    t_write = time.perf_counter()
     with PinfWriter(out) as w:
         em = _Emitter(w)
         f, parts, fl = _linear(src, T["token_embd"])
@@ -112,8 +143,10 @@ def convert(opts):
         if T["rope_freqs"] in names:
             w.add_tensor(S.ROPE_FREQS, src.floats(T["rope_freqs"]).reshape(-1))
         for i in range(cfg.n_layer):
-            _layer(src, T, cfg, i, w, em)
+            _layer(src, T, cfg, i, w, em, layout.layers[i], opts.quant, hot_rows and hot_rows[i])
             _log(f"  layer {i + 1}/{cfg.n_layer} written ({time.perf_counter() - t0:.1f} s)")
+        if layout.calibration is not None:
+            w.add_tensor(S.FFN_FREQ, np.stack([lay.freq for lay in layout.layers]).astype(np.float32))
         graph_names = {}
         directory = w.directory
         for i in range(cfg.n_layer):
@@ -122,14 +155,18 @@ def convert(opts):
             graph_names[name] = S.GRAPH.format(name)
         w.add_bytes(S.GRAPH.format(S.HEAD_GRAPH), graphs.serialize(graphs.head_graph(cfg, em.formats, directory)))
         graph_names[S.HEAD_GRAPH] = S.GRAPH.format(S.HEAD_GRAPH)
+        reordered = any(lay.perm is not None for lay in layout.layers)
         header = {
             "config": cfg.to_dict(),
             "tokenizer": tokenizer,
             "weights": em.formats,
-            "ffn": {"layout": "bundles", "neuron_order": "source"},
-            "sparsity": {"mode": "dense"},
-            "layers": [],
-            "plan": {},
+            "ffn": {"layout": "bundles", "neuron_order": "hot-first" if reordered else "source",
+                    "quant": opts.quant} | ({"hot_rows": hot_rows} if hot_rows is not None else {}),
+            "sparsity": layout.sparsity,
+            "layers": [lay.info or {"mode": lay.mode, "value": lay.value, "order": "source"}
+                       for lay in layout.layers],
+            "plan": passes.placement_plan(cfg, layout, directory, opts.target_vram_gib, _plan_ctx(cfg),
+                                          hot_rows),
             "graphs": graph_names,
             "provenance": {
                 "source": src_path.name,
@@ -137,14 +174,31 @@ def convert(opts):
                 "source_name": src.meta.get("general.name"),
                 "pinfer_version": pinfer_version(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "calibration": layout.sparsity.get("calibration"),
                 "conversion_error": em.errors,
             },
         }
         w.finish(header)
     worst = max(em.errors.values(), default=0.0)
-    _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s; "
+    _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t_write:.1f} s; "
          f"{len(em.errors)} tensors re-quantized, worst relative error {worst:.2e}")
+    if opts.verify:
+        from .verify import verify_output
+        try:
+            checks = verify_output(out, layout)
+        except Exception as e:
+            out.unlink()        # a file that fails its own checks is not left behind
+            raise ConvertError(f"{out.name} was written but failed verification and was removed: {e}") from e
+        if opts.report and layout.calibration is not None:
+            from .report import write_report
+            write_report(out, cfg, layout, header, checks, time.perf_counter() - t0)
+    _log(f"done in {time.perf_counter() - t0:.1f} s")
     return out
+
+
+def _plan_ctx(cfg):
+    """The context the default placement plan reserves KV cache for."""
+    return min(cfg.n_ctx_train, 4096)
 
 
 def _check_disk(src, out):
@@ -162,8 +216,8 @@ def _check_disk(src, out):
                            f"{planned / 1e9:.2f} GB; free some space or write elsewhere with -o")
 
 
-def _layer(src, T, cfg, i, w, em):
-    """One layer's norms, attention weights and FFN bundles."""
+def _layer(src, T, cfg, i, w, em, lay, quant, hot=None):
+    """One layer's norms, attention weights, FFN bundles and predictor."""
     n = lambda key: T[key].format(i)  # noqa: E731
     w.add_tensor(S.ATTN_NORM.format(i), src.floats(n("attn_norm")).reshape(-1))
     w.add_tensor(S.FFN_NORM.format(i), src.floats(n("ffn_norm")).reshape(-1))
@@ -175,20 +229,74 @@ def _layer(src, T, cfg, i, w, em):
     em.put(S.ATTN_QKV.format(i), f, parts, fl)
     f, parts, fl = _linear(src, n("attn_output"))
     em.put(S.ATTN_OUT.format(i), f, parts, fl)
+    if quant == "mixed":
+        _mixed_bundles(src, n, cfg, i, em, lay.perm, hot)
+    else:
+        _ffn_bundles(src, n, cfg, i, em, lay.perm, quant)
+    if lay.predictor is not None:
+        em.put(S.FFN_PRED_W1.format(i), "q8", lay.predictor.parts1)
+        em.put(S.FFN_PRED_W2.format(i), "q8", lay.predictor.parts2)
+        w.add_tensor(S.FFN_PRED_B2.format(i), lay.predictor.b2)
 
-    # FFN bundles (DESIGN.md §3): gate_up (n_ff, 2, d_model), down_t (n_ff, d_model)
+
+def _ffn_bundles(src, n, cfg, i, em, perm, quant):
+    """gate_up (n_ff, 2, d_model) and down_t (n_ff, d_model) (DESIGN.md §3), rows in file order:
+    source order when perm is None, else row k holds source neuron perm[k]."""
+    sel = (lambda a: a) if perm is None else (lambda a: a[perm])  # noqa: E731
     (fg, pg, wg), (fu, pu, wu) = _same_format([_linear(src, n("ffn_gate")), _linear(src, n("ffn_up"))])
+    if quant == "fp16" or (quant == "int4" and fg != "q4"):
+        wg = blocks.dequantize(fg, pg) if wg is None else wg
+        wu = blocks.dequantize(fu, pu) if wu is None else wu
+        fg = "f16" if quant == "fp16" else "q4"
+        pg, pu = blocks.quantize(fg, wg), blocks.quantize(fg, wu)
     if fg == "q4" and ("min" in pg or "min" in pu):
         pg, pu = blocks.with_min(pg), blocks.with_min(pu)
-    gate_up = {p: np.stack([pg[p], pu[p]], axis=1) for p in pg}
+    gate_up = {p: sel(np.stack([pg[p], pu[p]], axis=1)) for p in pg}
     em.put(S.FFN_GATE_UP.format(i), fg, gate_up,
-           None if wg is None else np.stack([wg, wu], axis=1).reshape(2 * cfg.n_ff, -1))
+           None if wg is None else sel(np.stack([wg, wu], axis=1)).reshape(2 * cfg.n_ff, -1))
     # down_t (n_ff, d_model): column j of W_down as row j. GGUF's groups run along n_ff, so the
-    # exact carry-over uses the row-grouped formats; other types are re-quantized to q8.
+    # exact carry-over uses the row-grouped formats, which only source order keeps (float rows
+    # move freely); otherwise rows are re-quantized along d_model (4-bit stays 4-bit).
     t = src.tensor(n("ffn_down"))
     exact = blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
-    if exact is not None:
-        em.put(S.FFN_DOWN_T.format(i), *exact)
-    else:
-        down_t = src.floats(n("ffn_down")).T.copy()
-        em.put(S.FFN_DOWN_T.format(i), "q8", blocks.quantize("q8", down_t), down_t)
+    if exact is not None and PL.carries_down(quant, exact[0], perm is not None):
+        em.put(S.FFN_DOWN_T.format(i), exact[0], {p: sel(a) for p, a in exact[1].items()})
+        return
+    down_t = sel(src.floats(n("ffn_down")).T)
+    fmt = "f16" if quant == "fp16" else "q4" if fg == "q4" else "q8"
+    em.put(S.FFN_DOWN_T.format(i), fmt, blocks.quantize(fmt, down_t), down_t)
+
+
+def _mixed_bundles(src, n, cfg, i, em, perm, hot):
+    """--quant mixed: neurons [0, hot) of the file order in f16, [hot, n_ff) in q4 (schema
+    FFN_*_COLD). Source blocks carry over exactly where their layout allows: gate/up q4 rows
+    always, down_t row groups when the neuron order is the source's."""
+    sel = (lambda a: a) if perm is None else (lambda a: a[perm])  # noqa: E731
+    (fg, pg, wg), (fu, pu, wu) = _same_format([_linear(src, n("ffn_gate")), _linear(src, n("ffn_up"))])
+    wg = sel(blocks.dequantize(fg, pg) if wg is None else wg)
+    wu = sel(blocks.dequantize(fu, pu) if wu is None else wu)
+    gate_up = np.stack([wg, wu], axis=1)                       # (n_ff, 2, d) file order
+    t = src.tensor(n("ffn_down"))
+    exact = blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
+    down_t = sel(src.floats(n("ffn_down")).T)
+    parts = []
+    if hot:
+        parts.append((S.FFN_GATE_UP, S.FFN_DOWN_T, "f16", slice(0, hot)))
+    if hot < cfg.n_ff:
+        parts.append((S.FFN_GATE_UP_COLD if hot else S.FFN_GATE_UP,
+                      S.FFN_DOWN_T_COLD if hot else S.FFN_DOWN_T, "q4", slice(hot, cfg.n_ff)))
+    for gu_name, down_name, fmt, rows in parts:
+        if fmt == "q4" and fg == "q4":          # the source's own 4-bit rows, permuted
+            gp, up = blocks.with_min(pg), blocks.with_min(pu)
+            em.put(gu_name.format(i), "q4", {p: sel(np.stack([gp[p], up[p]], axis=1))[rows] for p in gp})
+        else:
+            flat = gate_up[rows].reshape(-1, cfg.d_model)
+            em.put(gu_name.format(i), fmt, {p: a.reshape(len(gate_up[rows]), 2, -1)
+                                            for p, a in blocks.quantize(fmt, flat).items()}, flat)
+        carried = (exact is not None and fmt == "q4" and perm is None and exact[0] in ("q4r", "q8r")
+                   and rows.start % S.GROUP == 0)
+        if carried:
+            g = slice(rows.start // S.GROUP, rows.stop // S.GROUP)
+            em.put(down_name.format(i), exact[0], {p: a[rows] if p == "q" else a[g] for p, a in exact[1].items()})
+        else:
+            em.put(down_name.format(i), fmt, blocks.quantize(fmt, down_t[rows]), down_t[rows])

@@ -1,6 +1,7 @@
 """GGUF front end: metadata and lazily dequantized tensors from a memory-mapped GGUF file."""
 
 import hashlib
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,13 @@ class GGUFSource:
     def floats(self, name):
         t = self.tensor(name)
         return blocks.dequantize_gguf(t.ttype, t.raw, t.rows, t.k)
+
+    def release(self):
+        """Drop the file's pages from this process's resident set (they are re-read on demand), so
+        that streaming through the layers does not accumulate the whole file in RSS."""
+        m = getattr(self._r.data, "_mmap", None)
+        if m is not None and hasattr(mmap, "MADV_DONTNEED"):
+            m.madvise(mmap.MADV_DONTNEED)
 
     def sha256(self):
         h = hashlib.sha256()

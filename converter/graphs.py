@@ -98,6 +98,11 @@ class GraphBuilder:
         return m
 
 
+def bundle_rows(directory, base):
+    """Neurons held by the bundle tensor `base` (its parts' first dimension)."""
+    return next(e["shape"][0] for name, e in directory.items() if name.rsplit(".", 1)[0] == base)
+
+
 def rms_skip(b, x, skip, gamma, eps):
     """(normed, x + skip)"""
     out = b.node("SkipSimplifiedLayerNormalization", [x, skip, b.weight(gamma)], n_out=4,
@@ -106,7 +111,7 @@ def rms_skip(b, x, skip, gamma, eps):
 
 
 def layer_graph(cfg, layer, weights, directory):
-    """Layer `layer`: (resid, delta) -> (resid_out, ffn_h); delta is the previous FFN's output.
+    """Layer `layer`: (resid, delta) -> (resid_out, ffn_h, ffn_x); delta is the previous FFN's output.
 
     resid_out = resid + delta + attention(...); ffn_h (1, S, n_ff) = act(gate)*up, the input of
     the down projection, which pinfer's kernels compute from the neuron-major ffn_down_t."""
@@ -132,8 +137,13 @@ def layer_graph(cfg, layer, weights, directory):
     o = b.linear(attn, o_base, weights[o_base], d, cfg.n_head * hd)
     x2, r2 = rms_skip(b, o, r1, S.FFN_NORM.format(layer), cfg.norm_eps)
 
-    gu_base = S.FFN_GATE_UP.format(layer)
-    gu = b.linear(x2, gu_base, weights[gu_base], 2 * cfg.n_ff, d)  # (1, S, 2 n_ff): g0 u0 g1 u1 ...
+    gu_base, cold_base = S.FFN_GATE_UP.format(layer), S.FFN_GATE_UP_COLD.format(layer)
+    if cold_base in weights:    # --quant mixed: hot rows f16, then cold rows q4, neurons in order
+        hot = bundle_rows(directory, gu_base)
+        gu = b.node("Concat", [b.linear(x2, gu_base, weights[gu_base], 2 * hot, d),
+                               b.linear(x2, cold_base, weights[cold_base], 2 * (cfg.n_ff - hot), d)], axis=2)
+    else:
+        gu = b.linear(x2, gu_base, weights[gu_base], 2 * cfg.n_ff, d)  # (1, S, 2 n_ff): g0 u0 g1 u1 ...
     gate, up = b.node("Split", [b.node("Reshape", [gu, b.const(np.array([1, -1, cfg.n_ff, 2]))])],
                       n_out=2, axis=3, num_outputs=2)
     act = (b.node("Mul", [gate, b.node("Sigmoid", [gate])]) if cfg.ffn_act == "silu"
@@ -142,6 +152,7 @@ def layer_graph(cfg, layer, weights, directory):
 
     b.output(r2, "resid_out", F32, [1, "S", d])
     b.output(h, "ffn_h", F32, [1, "S", cfg.n_ff])
+    b.output(x2, "ffn_x", F32, [1, "S", d])     # the FFN input, for the predictors
     b.output(pk, "present_key", F32, [1, hkv, "T", hd])
     b.output(pv, "present_value", F32, [1, hkv, "T", hd])
     return b.build()

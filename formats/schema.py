@@ -82,8 +82,25 @@ ATTN_OUT = "blk.{}.attn_output"             # (d_model, n_head head_dim)
 FFN_NORM = "blk.{}.ffn_norm.weight"         # (d_model,)
 FFN_GATE_UP = "blk.{}.ffn_gate_up"          # (n_ff, 2, d_model) neuron j: gate row, up row
 FFN_DOWN_T = "blk.{}.ffn_down_t"            # (n_ff, d_model) column j of W_down as row j
+# --quant mixed splits a layer's bundles: the hot prefix (header ffn.hot_rows[i] neurons, f16) stays
+# in FFN_GATE_UP / FFN_DOWN_T, the remaining rows (q4) follow in these:
+FFN_GATE_UP_COLD = "blk.{}.ffn_gate_up_cold"
+FFN_DOWN_T_COLD = "blk.{}.ffn_down_t_cold"
+FFN_PRED_W1 = "blk.{}.ffn_pred_w1"          # (rank, d_model) q8: predictor x -> relu(W1 x)
+FFN_PRED_W2 = "blk.{}.ffn_pred_w2"          # (n_ff, rank) q8: scores = W2 relu(W1 x) + b2, file order
+FFN_PRED_B2 = "blk.{}.ffn_pred_b2"          # (n_ff,) f32
+FFN_FREQ = "ffn_freq"                       # (n_layer, n_ff) f32 calibrated activation frequency,
+                                            # file order (sorted hottest first in reordered layers)
 ROPE_FREQS = "rope_freqs"                  # (rotary_dim/2,) Llama 3 frequency divisors, optional
 GRAPH = "graph.{}"                          # serialized onnx.ModelProto, u8 (nbytes,)
+
+# Sparsity modes a layer can run in (header "layers"[i]["mode"], with "value"):
+#   dense      every neuron
+#   down       all gate/up rows; the down rows of neurons with |act(gate)*up| < thresholds[value]
+#   predicted  gate/up rows of the predictor's candidates (score >= the threshold calibrated for the
+#              mass-recall target `value`); among them the down rule at header sparsity.predictor_sparsity
+#   relu       candidates as predicted; among them h != 0 (exact for ReLU-family models)
+SPARSITY_MODES = ("dense", "down", "predicted", "relu")
 
 # Graph names: one per layer plus the head.
 LAYER_GRAPH = "layer.{}"

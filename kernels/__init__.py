@@ -34,7 +34,11 @@ _DOWN_FORMATS = {
                 "min": (np.float16, lambda n, d: (n // 32, d))}),
     "f16": (3, {"w": (np.float16, lambda n, d: (n, d))}),
     "f32": (4, {"w": (np.float32, lambda n, d: (n, d))}),
+    "q4": (5, {"q": (np.uint8, lambda n, d: (n, d // 2)), "scale": (np.float16, lambda n, d: (n, d // 32)),
+               "min": (np.float16, lambda n, d: (n, d // 32))}),
 }
+
+_OPTIONAL_PARTS = {"min"}    # q4 and q4r without min: w = scale * (q - 8)
 
 
 def _check(a, dtype, shape, name):
@@ -53,6 +57,9 @@ class DownProjection:
         if d % 32 or n_ff % 32:
             raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
         self.code, spec = _DOWN_FORMATS[fmt]
+        missing = [p for p in spec if p not in parts and p not in _OPTIONAL_PARTS]
+        if missing:
+            raise ValueError(f"down_t in {fmt} needs the parts {sorted(spec)}; {', '.join(missing)} missing")
         for part, (dtype, shape) in spec.items():
             if part in parts:
                 _check(parts[part], np.dtype(dtype), shape(n_ff, d), f"down_t.{part}")

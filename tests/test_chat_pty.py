@@ -6,6 +6,7 @@ import pexpect
 import pytest
 from fixtures import make_tiny_llama_gguf
 
+from pinfer.converter.passes import DENSE
 from pinfer.converter.convert import ConvertOptions, convert
 
 
@@ -17,7 +18,7 @@ def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("pty")
     src = make_tiny_llama_gguf(d / "tiny.gguf", qtype="F16")
     with contextlib.redirect_stderr(io.StringIO()):
-        return convert(ConvertOptions(src, d / "tiny.pinf"))
+        return convert(ConvertOptions(src, d / "tiny.pinf", passes=DENSE))
 
 
 def test_chat_keeps_answering_when_the_context_overflows(tiny):

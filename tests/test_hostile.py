@@ -13,6 +13,7 @@ import time
 import pytest
 from fixtures import make_tiny_llama_gguf
 
+from pinfer.converter.passes import DENSE
 from pinfer.converter.convert import ConvertError, ConvertOptions, convert
 from pinfer.formats import PinfFormatError, PinfReader
 from pinfer.formats import schema as S
@@ -24,7 +25,7 @@ def pinf(tmp_path_factory):
     d = tmp_path_factory.mktemp("hostile")
     src = make_tiny_llama_gguf(d / "t.gguf", qtype="Q4_1")
     with contextlib.redirect_stderr(io.StringIO()):
-        return convert(ConvertOptions(src, d / "t.pinf"))
+        return convert(ConvertOptions(src, d / "t.pinf", passes=DENSE))
 
 
 def flipped(path, offset, tmp_path):
@@ -68,7 +69,7 @@ def test_verify_command_exit_codes(pinf, tmp_path):
 def test_interrupted_convert_leaves_no_partial_output(tmp_path, sig):
     src = make_tiny_llama_gguf(tmp_path / "big.gguf", qtype="F32", n_layer=8, d_model=256, n_ff=1024, n_head=4)
     dest = tmp_path / "big.pinf"
-    cmd = [sys.executable, "-m", "pinfer", "convert", str(src), "-o", str(dest)]
+    cmd = [sys.executable, "-m", "pinfer", "convert", str(src), "-o", str(dest), "--sparsity", "none"]
     interrupted = 0
     for delay in (0.0, 0.02, 0.05, 0.1, 0.2):
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -108,7 +109,7 @@ def test_lying_gguf_headers_get_one_sentence(tmp_path, patch, words):
     patch(data)
     src.write_bytes(bytes(data))
     with pytest.raises(ConvertError, match=words) as e:
-        convert(ConvertOptions(src, tmp_path / "out.pinf"))
+        convert(ConvertOptions(src, tmp_path / "out.pinf", passes=DENSE))
     assert "\n" not in str(e.value)
     assert not (tmp_path / "out.pinf").exists()
 
@@ -121,7 +122,7 @@ def test_huge_string_array_is_refused_fast(tmp_path):
     src.write_bytes(bytes(data))
     t = time.time()
     with pytest.raises(ConvertError, match="tokenizer.ggml.tokens"):
-        convert(ConvertOptions(src, tmp_path / "out.pinf"))
+        convert(ConvertOptions(src, tmp_path / "out.pinf", passes=DENSE))
     assert time.time() - t < 10
 
 

@@ -54,5 +54,7 @@ def test_boundary_checks():
     k = DownProjection(f, parts, 1, 64, 64)
     with pytest.raises(ValueError):
         k.bind(np.zeros((1, 64), np.float64), np.zeros((1, 64), np.float32))
-    with pytest.raises(ValueError):
-        DownProjection("q4", {}, 1, 64, 64)
+    with pytest.raises(ValueError, match="not q3"):
+        DownProjection("q3", {}, 1, 64, 64)
+    with pytest.raises(ValueError, match="scale missing"):
+        DownProjection("q4", {"q": np.zeros((64, 32), np.uint8)}, 1, 64, 64)

@@ -24,7 +24,7 @@ def free_port():
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     src = make_tiny_llama_gguf(d / "tiny.gguf", qtype="Q8_0")
-    subprocess.run([sys.executable, "-m", "pinfer", "convert", str(src), "-o", str(d / "tiny.pinf")],
+    subprocess.run([sys.executable, "-m", "pinfer", "convert", str(src), "-o", str(d / "tiny.pinf"), "--sparsity", "none"],
                    check=True, capture_output=True)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pinfer", "serve", str(d / "tiny.pinf"), "--port", str(port),

@@ -19,6 +19,7 @@ import pytest
 from fixtures import make_tiny_llama_gguf
 from reference import reference_logits
 
+from pinfer.converter.passes import DENSE
 from pinfer.converter.convert import ConvertError, ConvertOptions, convert
 from pinfer.runtime.model import Model, RuntimeOptions
 
@@ -32,7 +33,7 @@ def build(tmp_path, qtype, **kw):
         kw = dict(d_model=256, n_ff=256, **kw)  # K-quants need rows of 256
     src = make_tiny_llama_gguf(tmp_path / f"tiny_{qtype}.gguf", qtype=qtype, **kw)
     with contextlib.redirect_stderr(io.StringIO()):
-        out = convert(ConvertOptions(src, tmp_path / f"tiny_{qtype}.pinf"))
+        out = convert(ConvertOptions(src, tmp_path / f"tiny_{qtype}.pinf", passes=DENSE))
     return src, out
 
 
@@ -70,7 +71,7 @@ def test_tied_embeddings_and_threads_agree(tmp_path):
 def test_unsupported_architecture_is_refused_before_tensors(tmp_path):
     src = make_tiny_llama_gguf(tmp_path / "g.gguf", arch_name="gemma3")
     with pytest.raises(ConvertError) as e:
-        convert(ConvertOptions(src, tmp_path / "g.pinf"))
+        convert(ConvertOptions(src, tmp_path / "g.pinf", passes=DENSE))
     msg = str(e.value)
     assert "'gemma3'" in msg and "llama" in msg and "\n" not in msg
     assert not (tmp_path / "g.pinf").exists()
@@ -79,15 +80,15 @@ def test_unsupported_architecture_is_refused_before_tensors(tmp_path):
 def test_missing_metadata_is_named(tmp_path):
     src = make_tiny_llama_gguf(tmp_path / "m.gguf", extra_kv={"llama.feed_forward_length": None})
     with pytest.raises(ConvertError, match="llama.feed_forward_length"):
-        convert(ConvertOptions(src, tmp_path / "m.pinf"))
+        convert(ConvertOptions(src, tmp_path / "m.pinf", passes=DENSE))
 
 
 def test_existing_output_needs_force(tmp_path):
     src, out = build(tmp_path, "F16")
     with pytest.raises(ConvertError, match="--force"):
-        convert(ConvertOptions(src, out))
+        convert(ConvertOptions(src, out, passes=DENSE))
     with contextlib.redirect_stderr(io.StringIO()):
-        convert(ConvertOptions(src, out, force=True))
+        convert(ConvertOptions(src, out, force=True, passes=DENSE))
 
 
 def test_context_overflow_is_a_clear_error(tmp_path):

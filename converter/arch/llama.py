@@ -22,6 +22,8 @@ TENSORS = {
     "ffn_down": "blk.{}.ffn_down.weight",    # (d_model, n_ff)
 }
 
+ACTIVATION_KEY = "pinfer.feed_forward_activation"
+
 # GGUF metadata key (after "{arch}.") -> config field, for the required integers and floats
 KEYS = {
     "block_count": "n_layer",
@@ -46,6 +48,11 @@ def config_from_gguf(meta, tensor_names):
     if scaling not in ("none", "linear"):
         raise ValueError(f"the model uses RoPE scaling {scaling!r}; pinfer supports none and linear")
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    # GGUF has no key for the FFN activation (llama.cpp assumes SwiGLU for llama); pinfer reads its
+    # own key, which HF front ends and the test fixtures for ReLU-family models set.
+    ffn_act = meta.get(ACTIVATION_KEY, "silu")
+    if ffn_act not in ("silu", "relu"):
+        raise ValueError(f"{ACTIVATION_KEY} is {ffn_act!r}; pinfer supports silu and relu")
     return ModelConfig(
         arch=arch,
         n_layer=int(v["n_layer"]),
@@ -61,6 +68,6 @@ def config_from_gguf(meta, tensor_names):
         rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
         rope_interleaved=True,
         rope_linear_scale=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
-        ffn_act="silu",
+        ffn_act=ffn_act,
         tied_embeddings=TENSORS["output"] not in tensor_names,
     )

@@ -9,6 +9,8 @@
  *   FMT_Q4R  q u8 (n, d/2), scale f16 (n/G, d), min f16 (n/G, d) or none
  *            element 2k of a row in the low nibble of byte k, 2k+1 in the high nibble;
  *            w[j,i] = scale[j/G, i] * q[j,i] + min[j/G, i], or scale * (q - 8) without min
+ *   FMT_Q4   q u8 (n, d/2), scale f16 (n, d/G), min f16 (n, d/G) or none: groups along d
+ *            w[j,i] = scale[j, i/G] * q[j,i] + min[j, i/G], or scale * (q - 8) without min
  *   FMT_F16  w f16 (n, d)
  *   FMT_F32  w f32 (n, d)
  * The R formats keep GGUF's groups, which run along the neuron axis of W_down, so GGUF's Q4_0,
@@ -31,7 +33,7 @@
 #define TOK_TILE 4     /* tokens sharing one conversion of a weight row */
 #define COL_CHUNK 512  /* output columns per work unit */
 
-enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4 };
+enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };
 
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -184,6 +186,19 @@ static void accumulate_rows(const weights_t *w, const float *restrict h, float (
             } else if (w->fmt == FMT_F32) {
                 const float *restrict q = (const float *)w->q + j * d + c0;
                 for (int64_t i = 0; i < nc; i++) a[i] += c * q[i];
+            } else if (w->fmt == FMT_Q4) { /* groups along d; element 2k low nibble, 2k+1 high */
+                const uint8_t *restrict q = (const uint8_t *)w->q + j * (d / 2) + c0 / 2;
+                const half_t *s = (const half_t *)w->scale + j * (d / G) + c0 / G;
+                const half_t *m = w->min ? (const half_t *)w->min + j * (d / G) + c0 / G : NULL;
+                for (int64_t g = 0; g < nc / G; g++) {
+                    const float cs = c * HALF(s[g]), off = m ? c * HALF(m[g]) : -8.0f * cs;
+                    const uint8_t *qg = q + g * (G / 2);
+                    float *ag = a + g * G;
+                    for (int i = 0; i < G / 2; i++) {
+                        ag[2 * i] += cs * (float)(qg[i] & 15) + off;
+                        ag[2 * i + 1] += cs * (float)(qg[i] >> 4) + off;
+                    }
+                }
             } else { /* FMT_Q8: groups along d, scale applied per element */
                 const uint8_t *restrict q = (const uint8_t *)w->q + j * d + c0;
                 const half_t *s = (const half_t *)w->scale + j * (d / G) + c0 / G;

@@ -1,0 +1,239 @@
+"""The calibrate, sparsify and predict passes, streamed one layer at a time (DESIGN.md §2).
+
+Per layer, only that layer's dequantized weights are in memory, plus the hidden states of the
+calibration tokens: one stream for the training split, and one per operating point for the
+held-out split, each carrying the model as that operating point would run it. At the end the
+held-out streams give the perplexity cost of every operating point, measured, not modelled.
+
+Operating points (rules of formats/schema.py's sparsity modes, applied per token):
+  dense
+  down:S       |act(gate)*up| under the layer's quantile-S threshold is skipped in the down rows
+  predicted:R  the predictor's candidates at mass-recall target R; inside them the down rule at
+               PREDICTOR_SPARSITY
+  relu:R       (ReLU-family models) the predictor's candidates at R; inside them h != 0 (act(gate) > 0)
+"""
+
+import ctypes
+import gc
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pinfer.runtime.sparse import Rule as Point   # an operating point: the rule a layer runs
+
+from . import predictor as P
+from . import torch_llama as TL
+
+SPARSITY_GRID = tuple(round(0.1 * k, 1) for k in range(1, 10))   # thresholds stored per layer
+DOWN_POINTS = (0.2, 0.3, 0.4)
+PREDICTED_POINTS = (0.95, 0.99, 0.999)
+RELU_POINTS = (0.99, 0.995, 0.999)
+PREDICTOR_SPARSITY = 0.3    # gated models: "active" for the predictor means |h| above this quantile
+BATCH_SEQS = 8              # sequences per forward batch: bounds attention and FFN scratch memory
+PREDICTOR_HELDOUT = 4096    # held-out tokens that choose and check predictor thresholds
+REFERENCE_TOKENS = 128     # dense logits kept for the verification of the written file
+QUANTILE_SAMPLE = 1 << 20   # |h| values sampled per layer for the thresholds
+
+
+def points_for(cfg, extra=None):
+    """The operating points measured for this model; `extra` (a Point) is added when missing."""
+    if cfg.ffn_act == "relu":
+        pts = [Point("dense")] + [Point("relu", r) for r in RELU_POINTS]
+    else:
+        pts = ([Point("dense")] + [Point("down", s) for s in DOWN_POINTS]
+               + [Point("predicted", r) for r in PREDICTED_POINTS])
+    return pts + [extra] if extra is not None and extra not in pts else pts
+
+
+@dataclass
+class LayerCalibration:
+    thresholds: dict                 # sparsity quantile S -> |h| threshold (gated models)
+    freq: np.ndarray                 # (n_ff,) share of training tokens where the neuron is active
+    predictor: P.Predictor
+    pred_thresholds: list            # [P.Threshold] per recall target
+    ranks_tried: dict                # rank -> candidate fraction at 0.99 mass recall
+    # per operating point name -> measured on its own held-out stream:
+    #   (share of gate/up rows read, share of down rows read, share of 32-neuron groups touched)
+    read: dict = field(default_factory=dict)
+
+
+@dataclass
+class CalibrationResult:
+    layers: list                     # [LayerCalibration]
+    nll: dict                        # point name -> mean held-out NLL
+    tokens_scored: int
+    seconds: dict                    # phase -> seconds
+    reference_logits: np.ndarray     # (REFERENCE_TOKENS, vocab) dense logits, first held-out sequence
+
+    def ppl(self, name):
+        return float(np.exp(self.nll[name]))
+
+
+def active_mask(cfg, hact, thresholds):
+    if cfg.ffn_act == "relu":
+        return hact != 0
+    return hact.abs() > thresholds[PREDICTOR_SPARSITY]
+
+
+def apply_point(cfg, point, hact, x, lc):
+    """Zero the entries of hact (N, n_ff) the operating point skips; returns (hact, gu_read,
+    down_read) with the per-entry read masks (None: all read)."""
+    if point.mode == "dense":
+        return hact, None, None
+    if point.mode == "down":
+        keep = hact.abs() >= lc.thresholds[point.value]
+        return hact * keep, None, keep
+    thr = next(t.threshold for t in lc.pred_thresholds if t.recall_target == point.value)
+    cand = torch.from_numpy(lc.predictor.scores(x.numpy()) >= thr)
+    keep = cand & active_mask(cfg, hact, lc.thresholds) if point.mode == "predicted" else cand & (hact != 0)
+    return hact * keep, cand, keep
+
+
+def _forward_ffn(h, w, cfg, rotary):
+    """Attention, then the FFN's input and hidden values, for one batch h (B, T, d)."""
+    h1 = TL.attention(h, w, cfg, rotary)
+    x = TL.ffn_input(h1, w, cfg)
+    return h1, x, TL.ffn_hidden(x, w, cfg)
+
+
+def _quantiles(values, qs, rng):
+    flat = values.reshape(-1)
+    if flat.numel() > QUANTILE_SAMPLE:
+        flat = flat[torch.from_numpy(rng.integers(0, flat.numel(), QUANTILE_SAMPLE))]
+    q = torch.quantile(flat.float(), torch.tensor(qs, dtype=torch.float32))
+    return {s: float(v) for s, v in zip(qs, q)}
+
+
+def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, predictor_budget=0.10,
+        on_layer=None, seed=0, train_predictors=True, extra_point=None):
+    """The layer-streamed passes over `calib` (calib_data.CalibrationSet)."""
+    torch.manual_seed(seed)
+    _fixed_mmap_threshold()
+    rng = np.random.default_rng(seed)
+    seconds = {"forward": 0.0, "predictor": 0.0, "heldout": 0.0, "head": 0.0}
+    T = calib.train.shape[1]
+    rot = TL.Rotary(cfg, T, freq_divisors)
+    points = points_for(cfg, extra_point)
+    train_h = embed(calib.train)                                  # (Nt, T, d)
+    streams = {p.name: embed(calib.heldout) for p in points}      # each (Nh, T, d)
+    layers = []
+    for i in range(cfg.n_layer):
+        t0 = time.perf_counter()
+        w = TL.load_layer(src, names, i)
+        with torch.no_grad():
+            xs, habs = [], []
+            for b in range(0, len(train_h), BATCH_SEQS):
+                h1, x, hact = _forward_ffn(train_h[b:b + BATCH_SEQS], w, cfg, rot)
+                train_h[b:b + BATCH_SEQS] = h1 + hact @ w.down.T
+                xs.append(x.reshape(-1, cfg.d_model))
+                habs.append(hact.reshape(-1, cfg.n_ff).abs().half())
+            x_train, h_train = torch.cat(xs), torch.cat(habs)
+            del xs, habs
+            thresholds = _quantiles(h_train, list(SPARSITY_GRID), rng)
+            mask_train = (h_train > 0) if cfg.ffn_act == "relu" else h_train > thresholds[PREDICTOR_SPARSITY]
+            freq = mask_train.float().mean(0).numpy()
+            # the dense held-out stream gives the predictor its held-out tokens
+            dense = [_forward_ffn(streams["dense"][b:b + BATCH_SEQS], w, cfg, rot)
+                     for b in range(0, len(streams["dense"]), BATCH_SEQS)]
+            x_held = torch.cat([x.reshape(-1, cfg.d_model) for _, x, _ in dense])
+            hact_held = torch.cat([hh.reshape(-1, cfg.n_ff) for _, _, hh in dense])
+        seconds["forward"] += time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        lc = LayerCalibration(thresholds, freq, None, [], {})
+        if train_predictors:
+            _fit_predictor(lc, cfg, x_train.numpy(), mask_train.numpy(), x_held.numpy(), hact_held,
+                           ffn_bytes[i], predictor_budget, seed + i)
+        del x_train, h_train, mask_train
+        seconds["predictor"] += time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        with torch.no_grad():
+            for p in points:
+                if p.mode != "dense" and lc.predictor is None and p.mode != "down":
+                    continue
+                h = streams[p.name]
+                reads = np.zeros(3)
+                for k, b in enumerate(range(0, len(h), BATCH_SEQS)):
+                    a, x, hh = dense[k] if p.mode == "dense" else _forward_ffn(h[b:b + BATCH_SEQS], w, cfg, rot)
+                    x = x.reshape(-1, cfg.d_model)
+                    flat, gu, dn = apply_point(cfg, p, hh.reshape(-1, cfg.n_ff), x, lc)
+                    h[b:b + BATCH_SEQS] = a + (flat @ w.down.T).view(a.shape)
+                    reads += _read_shares(gu, dn, cfg.n_ff, flat.shape[0])
+                lc.read[p.name] = tuple(reads / max(1, -(-len(h) // BATCH_SEQS)))
+        seconds["heldout"] += time.perf_counter() - t2
+        layers.append(lc)
+        del w, dense, x_held, hact_held
+        _release_memory(src)
+        if on_layer:
+            on_layer(i, lc)
+
+    t3 = time.perf_counter()
+    targets = torch.from_numpy(calib.heldout[:, 1:].reshape(-1))
+    nll = {}
+    with torch.no_grad():
+        for p in points:
+            if p.name not in layers[-1].read:
+                continue
+            hs = streams[p.name][:, :-1].reshape(-1, cfg.d_model)
+            nll[p.name] = float(head.nll(hs, targets).mean())
+        ref = TL.rms_norm(streams["dense"][0, :REFERENCE_TOKENS], head.norm, head.eps) @ head.w.T
+    seconds["head"] = time.perf_counter() - t3
+    return CalibrationResult(layers, nll, int(targets.numel()), seconds, ref.numpy())
+
+
+def _fixed_mmap_threshold():
+    """Large buffers straight from mmap and back to the system when freed: with glibc's default
+    dynamic threshold, the per-layer buffers end up in a heap that fragments as layers go by."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, 32 << 20)    # M_MMAP_THRESHOLD: 32 MiB, its largest value
+    except (OSError, AttributeError):
+        pass
+
+
+def _release_memory(src):
+    """Give this layer's memory back: the source file's pages, and the heap that glibc keeps after
+    large frees (its dynamic mmap threshold otherwise lets peak RSS creep up layer by layer)."""
+    gc.collect()
+    src.release()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _read_shares(gu, dn, n_ff, n_tok):
+    """(gate/up rows, down rows, 32-neuron groups with any down row) read, as shares of all."""
+    g = 1.0 if gu is None else float(gu.float().mean())
+    if dn is None:
+        return np.array([g, 1.0, 1.0])
+    groups = dn.view(n_tok, n_ff // 32, 32).any(-1) if n_ff % 32 == 0 else dn
+    return np.array([g, float(dn.float().mean()), float(groups.float().mean())])
+
+
+def _fit_predictor(lc, cfg, x_train, mask_train, x_held, hact_held, ffn_bytes, budget, seed):
+    """Train at the ranks the byte budget (a share of the layer's FFN bytes) allows; keep the one
+    that reads the fewest bytes per token at 0.99 mass recall, predictor included."""
+    d, n_ff = cfg.d_model, cfg.n_ff
+    per_rank = 1.0625 * (d + n_ff)           # q8 bytes per unit of rank
+    r_max = max(32, int((budget * ffn_bytes - 4 * n_ff) / per_rank) // 32 * 32)
+    ranks = sorted({max(32, r_max // 2 // 32 * 32), r_max})
+    habs = hact_held.abs()
+    active = (hact_held != 0) if cfg.ffn_act == "relu" else habs > lc.thresholds[PREDICTOR_SPARSITY]
+    # thresholds from half of PREDICTOR_HELDOUT held-out tokens, quality from the other half
+    habs, active, x_held = habs[:PREDICTOR_HELDOUT], active[:PREDICTOR_HELDOUT], x_held[:PREDICTOR_HELDOUT]
+    half = len(habs) // 2
+    fit, check = (habs[:half], active[:half]), (habs[half:], active[half:])
+    best = None
+    for r in ranks:
+        pred = P.train(x_train, mask_train, r, seed=seed)
+        s = torch.from_numpy(pred.scores(x_held))
+        at99 = P.calibrate((s[:half], *fit), (s[half:], *check), targets=(0.99,))[0].candidate_fraction
+        lc.ranks_tried[r] = at99
+        cost = pred.nbytes() + at99 * ffn_bytes
+        if best is None or cost < best[0]:
+            best = (cost, pred, s)
+    _, lc.predictor, s = best
+    lc.pred_thresholds = P.calibrate((s[:half], *fit), (s[half:], *check))

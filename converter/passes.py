@@ -1,0 +1,272 @@
+"""The converter's middle: calibrate -> sparsify/predict -> choose modes -> order -> plan.
+
+Produces a `LayoutPlan`: for every layer its mode, neuron order and bundle formats, with the
+header entries ("sparsity", "layers", "plan") and the per-layer tensors (predictors, frequency
+curves) the back end writes. Everything here is computed before any output byte is written.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pinfer.formats import schema as S
+
+from . import plan as PL
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    sparsity: str = "auto"          # none | auto | dense | down[:S] | predicted[:R] | relu[:R]
+    max_ppl_increase: float = 0.01
+    calib: object = None            # Path of a .txt/.jsonl, or None for the built-in set
+    calib_tokens: int = 24576
+    heldout_tokens: int = 8192
+    seq_len: int = 512
+    order: str = "auto"             # auto | hot-first | source
+    predictor_budget: float = 0.10  # predictor bytes as a share of the layer's FFN bytes
+    seed: int = 0
+
+
+# No calibration: every layer dense, the walking skeleton's conversion (fast; used by tests that
+# check the dense path).
+DENSE = PassOptions(sparsity="none")
+
+
+@dataclass
+class LayerLayout:
+    mode: str = "dense"
+    value: float = 0.0
+    perm: np.ndarray | None = None   # new position k holds source neuron perm[k]; None: source order
+    freq: np.ndarray | None = None   # (n_ff,) in file order
+    predictor: object = None         # predictor.Predictor in file order
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class LayoutPlan:
+    layers: list
+    sparsity: dict
+    calibration: object = None       # calibrate.CalibrationResult
+    choice: object = None            # plan.Choice
+    calib_set: object = None         # calib_data.CalibrationSet
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_sparsity(text, cfg):
+    """Validate --sparsity; returns None (auto), "none", or a calibrate.Point."""
+    from .calibrate import Point
+    if text in ("auto", "none"):
+        return None if text == "auto" else "none"
+    mode, _, value = text.partition(":")
+    defaults = {"dense": 0.0, "down": 0.3, "predicted": 0.99, "relu": 0.99}
+    if mode not in defaults:
+        raise ValueError(f"--sparsity {text!r} is not none, auto, or one of {', '.join(defaults)} "
+                         "with an optional :VALUE (e.g. down:0.3)")
+    if mode == "relu" and cfg.ffn_act != "relu":
+        raise ValueError(f"--sparsity relu needs a ReLU-family model; this one uses {cfg.ffn_act}: "
+                         "use down or predicted")
+    if mode in ("down", "predicted") and cfg.ffn_act == "relu":
+        raise ValueError("this is a ReLU-family model: use --sparsity relu[:RECALL] (exact), or dense")
+    try:
+        v = float(value) if value else defaults[mode]
+    except ValueError:
+        raise ValueError(f"--sparsity {text!r}: {value!r} is not a number") from None
+    if mode != "dense" and not 0 < v < 1:
+        raise ValueError(f"--sparsity {text!r}: the value must lie strictly between 0 and 1")
+    from .calibrate import SPARSITY_GRID
+    from .predictor import RECALL_TARGETS
+    allowed = SPARSITY_GRID if mode == "down" else RECALL_TARGETS
+    if mode != "dense" and round(v, 4) not in allowed:
+        raise ValueError(f"--sparsity {mode}:{v:g}: the calibrated values are {', '.join(map(str, allowed))}")
+    return Point(mode, v)
+
+
+def _bundle_formats(src, names, cfg, i, quant, permuted, predictor_bytes):
+    """The FFN formats layer i will be written in (see convert._ffn_bundles)."""
+    from pinfer.formats import blocks
+    g = src.tensor(names["ffn_gate"].format(i))
+    exact = blocks.from_gguf(g.ttype, g.raw[:1], 1, g.k)
+    four_bit = exact is not None and exact[0] == "q4"
+    if quant == "fp16":
+        return PL.BundleFormats(("f16", False), ("f16", False), predictor_bytes)
+    # mixed: the CPU reads the cold rows, int4 (the fp16 hot rows belong to the GPU)
+    gu = ("q4", True) if (quant in ("int4", "mixed") or four_bit) else ("q8", False)
+    dn = src.tensor(names["ffn_down"].format(i))
+    carried = blocks.from_gguf_transposed(dn.ttype, dn.raw, dn.rows, dn.k)
+    if carried is not None and PL.carries_down(quant, carried[0], permuted):
+        return PL.BundleFormats(gu, (carried[0], "min" in carried[1]), predictor_bytes)
+    return PL.BundleFormats(gu, ("q4", True) if gu[0] == "q4" else ("q8", False), predictor_bytes)
+
+
+def run(src, names, cfg, tokenizer_spec, opts, quant):
+    forced = parse_sparsity(opts.sparsity, cfg)
+    if forced == "none":
+        return LayoutPlan([LayerLayout() for _ in range(cfg.n_layer)], {"mode": "none"})
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ValueError("calibration needs PyTorch, which is not installed; install it "
+                         "(pip install torch, see README) or convert with --sparsity none") from None
+    from pinfer.runtime.tokenizer import Tokenizer
+
+    from . import calib_data, calibrate
+    from . import torch_llama as TL
+
+    t0 = time.perf_counter()
+    tok = Tokenizer.from_spec(tokenizer_spec)
+    seq_len = min(opts.seq_len, cfg.n_ctx_train)
+    cs = calib_data.build(tok, opts.calib, seq_len, opts.calib_tokens, opts.heldout_tokens)
+    _log(f"calibration: {cs.description}")
+    ffn_src_bytes = [sum(src.tensor(names[k].format(i)).raw.nbytes for k in ("ffn_gate", "ffn_up", "ffn_down"))
+                     for i in range(cfg.n_layer)]
+    freqs = src.floats(names["rope_freqs"]) if names["rope_freqs"] in src.tensor_names() else None
+    bar = _progress(cfg.n_layer, "calibrate")
+    result = calibrate.run(src, names, cfg, cs, TL.Embedding(src, names), TL.Head(src, names, cfg),
+                           ffn_src_bytes, freqs, opts.predictor_budget, seed=opts.seed,
+                           on_layer=lambda i, lc: bar.update(1), extra_point=forced)
+    bar.close()
+    points = calibrate.points_for(cfg, forced)
+
+    def fmts(i, p):
+        permuted = _permuted(opts.order, p.mode)
+        return _bundle_formats(src, names, cfg, i, quant, permuted, result.layers[i].predictor.nbytes())
+
+    def bytes_of(i, p):
+        return PL.ffn_bytes(cfg, fmts(i, p), p.mode, result.layers[i].read[p.name])
+
+    choice = PL.choose(result, points, bytes_of, opts.max_ppl_increase, forced)
+    layers = []
+    for i, (lc, p) in enumerate(zip(result.layers, choice.modes)):
+        perm = np.argsort(-lc.freq, kind="stable") if _permuted(opts.order, p.mode) else None
+        pred = lc.predictor
+        if perm is not None:
+            pred = _permute_predictor(pred, perm)
+        f = fmts(i, p)
+        layers.append(LayerLayout(
+            mode=p.mode, value=p.value, perm=perm, freq=lc.freq if perm is None else lc.freq[perm],
+            predictor=pred,
+            info={"mode": p.mode, "value": p.value, "order": "source" if perm is None else "hot-first",
+                  "bundle_formats": {"gate_up": f.gate_up[0], "down_t": f.down[0]},
+                  "thresholds": {f"{s:g}": t for s, t in lc.thresholds.items()},
+                  "active_fraction": float(lc.freq.mean()),
+                  "predictor": {"rank": pred.rank, "ranks_tried": {str(r): v for r, v in lc.ranks_tried.items()},
+                                "bytes": pred.nbytes(),
+                                "thresholds": [t.__dict__ for t in lc.pred_thresholds]},
+                  "read": {k: list(v) for k, v in lc.read.items()},
+                  "ffn_bytes": {q.name: bytes_of(i, q) for q in points if q.name in lc.read}}))
+    base = result.ppl("dense")
+    sparsity = {
+        "mode": "auto" if forced is None else forced.name,
+        "chosen": sorted({m.name for m in choice.modes}),
+        "reason": choice.reason,
+        "max_ppl_increase": opts.max_ppl_increase,
+        "predictor_sparsity": calibrate.PREDICTOR_SPARSITY,
+        "heldout": {"tokens": result.tokens_scored, "dense_ppl": base,
+                    "points": choice.table},
+        "calibration": cs.description,
+        "seconds": {k: round(v, 1) for k, v in result.seconds.items()},
+    }
+    _log(f"sparsity: {choice.reason} ({time.perf_counter() - t0:.0f} s)")
+    return LayoutPlan(layers, sparsity, result, choice, cs)
+
+
+def _permuted(order, mode):
+    if order == "hot-first":
+        return True
+    if order == "source":
+        return False
+    # auto: reorder where the mode selects neurons; elsewhere keep the source's exact blocks
+    return mode in ("predicted", "relu")
+
+
+def _permute_predictor(pred, perm):
+    from .predictor import Predictor
+    return Predictor(pred.w1, pred.w2[perm], pred.b2[perm], pred.parts1,
+                     {k: v[perm] for k, v in pred.parts2.items()})
+
+
+class _LineProgress:
+    """One log line per step where no terminal shows a bar (logs, CI)."""
+
+    def __init__(self, total, desc):
+        self.total, self.desc, self.n, self.t0 = total, desc, 0, time.perf_counter()
+
+    def update(self, n):
+        self.n += n
+        _log(f"  {self.desc}: layer {self.n}/{self.total} ({time.perf_counter() - self.t0:.1f} s)")
+
+    def close(self):
+        pass
+
+
+def _progress(total, desc):
+    if not sys.stderr.isatty():
+        return _LineProgress(total, desc)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _LineProgress(total, desc)
+    return tqdm(total=total, desc=desc, unit="layer", file=sys.stderr)
+
+
+def placement_plan(cfg, layout, directory, target_vram_gib, n_ctx, hot_rows=None):
+    """Header "plan": per-layer hot neuron counts for target_vram_gib, and what was reserved.
+    With --quant mixed the plan is the split the file was written with (hot_rows, fp16 rows)."""
+    ffn_names = {S.FFN_GATE_UP, S.FFN_DOWN_T, S.FFN_GATE_UP_COLD, S.FFN_DOWN_T_COLD}
+    ffn_names = {t.format(i) for t in ffn_names for i in range(cfg.n_layer)}
+    ffn = np.zeros(cfg.n_layer)
+    dense = 0
+    for name, e in directory.items():
+        base = name.rsplit(".", 1)[0]
+        if base in ffn_names:
+            ffn[int(base.split(".")[1])] += e["nbytes"]
+        elif _on_gpu(cfg, name, base):
+            dense += e["nbytes"]
+    if hot_rows is not None:
+        hot, neuron = np.asarray(hot_rows), np.full(cfg.n_layer, PL.row_bytes("f16", cfg.d_model, False)[0] * 3.0)
+        kv, scratch = _reserved(cfg, n_ctx)
+    else:
+        neuron = ffn / cfg.n_ff
+        hot, kv, scratch = _hot(cfg, layout, dense, neuron, target_vram_gib, n_ctx)
+    return {"target_vram_gib": target_vram_gib, "reserved": {"dense_bytes": int(dense), "kv_bytes": int(kv),
+                                                               "n_ctx": n_ctx, "scratch_bytes": scratch},
+            "hot_neurons": [int(h) for h in hot], "neuron_bytes": [float(b) for b in neuron],
+            "hot_share": float(hot.sum() / (cfg.n_layer * cfg.n_ff))}
+
+
+def _on_gpu(cfg, name, base):
+    """Dense tensors the GPU holds: all but graphs and the embedding table (looked up on the CPU)
+    unless the table is also the LM head."""
+    return not name.startswith("graph.") and (base != S.TOKEN_EMBD or cfg.tied_embeddings)
+
+
+def _reserved(cfg, n_ctx):
+    kv = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * n_ctx * 2    # f16 K and V
+    return kv, 256 << 20
+
+
+def _hot(cfg, layout, dense, neuron_bytes, target_vram_gib, n_ctx):
+    kv, scratch = _reserved(cfg, n_ctx)
+    freq = np.stack([lay.freq if lay.freq is not None else np.ones(cfg.n_ff) for lay in layout.layers])
+    return PL.placement(cfg, freq, neuron_bytes, dense + kv + scratch, target_vram_gib * PL.GIB), kv, scratch
+
+
+def mixed_split(src, names, cfg, layout, target_vram_gib, n_ctx):
+    """--quant mixed: the per-layer fp16 prefixes the placement plan fits in target_vram_gib, with
+    fp16 bundle rows and the dense tensors at their source sizes (they are carried over)."""
+    keys = [k for k in names if k not in ("ffn_gate", "ffn_up", "ffn_down")]
+    dense = 0
+    src_names = set(src.tensor_names())
+    for key in keys:
+        for i in range(cfg.n_layer) if "{}" in names[key] else [None]:
+            name = names[key].format(i) if i is not None else names[key]
+            if name in src_names and (key != "token_embd" or cfg.tied_embeddings):
+                dense += src.tensor(name).raw.nbytes
+    neuron = np.full(cfg.n_layer, PL.row_bytes("f16", cfg.d_model, False)[0] * 3.0)   # gate, up, down rows
+    hot, _, _ = _hot(cfg, layout, dense, neuron, target_vram_gib, n_ctx)
+    return [int(h) for h in hot]

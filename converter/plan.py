@@ -1,0 +1,129 @@
+"""Bytes read per token, the `auto` sparsity choice, and the default GPU placement plan.
+
+Bytes are modelled for batch-1 decode from the formats the file will hold and the read shares
+measured on each operating point's own held-out stream (calibrate.LayerCalibration.read):
+  gate_up  two rows per neuron read          (row formats: q4, q8, f16, f32)
+  down_t   one row per surviving neuron; the "r" formats also read, per 32-neuron group with a
+           survivor, the group's scale (and min) row
+  predictor  its q8 weights, for the predicted and relu modes
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pinfer.formats import schema as S
+
+GIB = 1 << 30
+
+
+def row_bytes(fmt, d, has_min):
+    """(bytes per row, bytes per 32-row group) of a (rows, d) weight in `fmt`."""
+    nb = d // S.GROUP
+    return {
+        "q4": (d // 2 + 2 * nb * (1 + has_min), 0),
+        "q8": (d + 2 * nb, 0),
+        "f16": (2 * d, 0),
+        "f32": (4 * d, 0),
+        "q4r": (d // 2, 2 * d * (1 + has_min)),
+        "q8r": (d, 2 * d),
+    }[fmt]
+
+
+def carries_down(quant, fmt, permuted):
+    """Whether down_t keeps the source's `fmt` blocks: float rows move freely, row groups only in
+    source order; int4 keeps 4-bit row groups (exact, and as small)."""
+    return (quant == "auto" or quant == "int4" and fmt == "q4r") and (not permuted or fmt in ("f16", "f32"))
+
+
+@dataclass(frozen=True)
+class BundleFormats:
+    """The FFN formats of one layer as it would be written."""
+    gate_up: tuple      # (fmt, has_min)
+    down: tuple         # (fmt, has_min)
+    predictor_bytes: int
+
+
+def ffn_bytes(cfg, fmts, point_mode, read):
+    """Modelled FFN bytes per token of one layer; read = (gate/up, down rows, down groups) shares."""
+    gu_row, _ = row_bytes(*fmts.gate_up[:1], cfg.d_model, fmts.gate_up[1])
+    d_row, d_group = row_bytes(fmts.down[0], cfg.d_model, fmts.down[1])
+    n, groups = cfg.n_ff, cfg.n_ff // S.GROUP
+    gu_share, down_share, group_share = read
+    total = n * gu_share * 2 * gu_row + n * down_share * d_row + groups * group_share * d_group
+    if point_mode in ("predicted", "relu"):
+        total += fmts.predictor_bytes
+    return float(total)
+
+
+@dataclass(frozen=True)
+class Choice:
+    modes: list          # per layer: calibrate.Point
+    reason: str
+    table: list          # [{"point", "ppl", "increase", "ffn_bytes"}] for every measured point
+
+
+def choose(result, points, bytes_of, budget, forced=None):
+    """The `auto` choice: per mode, its cheapest operating point whose held-out perplexity stays
+    within `budget` (relative increase over dense); per layer, the cheapest of those modes.
+
+    bytes_of(layer, point) -> modelled FFN bytes. `forced` (a Point) skips the choice."""
+    n_layer = len(result.layers)
+    base = result.ppl("dense")
+    table = []
+    for p in points:
+        if p.name not in result.nll:
+            continue
+        total = sum(bytes_of(i, p) for i in range(n_layer))
+        table.append({"point": p.name, "ppl": result.ppl(p.name), "increase": result.ppl(p.name) / base - 1,
+                      "ffn_bytes": total})
+    if forced is not None:
+        return Choice([forced] * n_layer, f"forced by --sparsity {forced.name}", table)
+    ok = {row["point"] for row in table if row["increase"] <= budget}
+    best = {}
+    for p in points:
+        if p.name in ok:
+            total = next(r["ffn_bytes"] for r in table if r["point"] == p.name)
+            if p.mode not in best or total < best[p.mode][1]:
+                best[p.mode] = (p, total)
+    # one operating point for all layers: the one measured within budget that reads least
+    uniform, total = min(best.values(), key=lambda pt: pt[1])
+    dense = next(p for p in points if p.mode == "dense")
+    modes = [uniform if bytes_of(i, uniform) < bytes_of(i, dense) else dense for i in range(n_layer)]
+    n_dense = sum(m.mode == "dense" for m in modes)
+    reason = (f"{uniform.name} reads the fewest FFN bytes ({total / 1e6:.2f} MB/token) among the operating "
+              f"points within +{budget:.1%} held-out perplexity (measured +"
+              f"{next(r['increase'] for r in table if r['point'] == uniform.name):.2%})")
+    if uniform.mode != "dense" and n_dense:
+        reason += f"; {n_dense} layers stay dense, where the mode would read more bytes than dense"
+    return Choice(modes, reason, table)
+
+
+def placement(cfg, freq, neuron_bytes, fixed_bytes, target_bytes, block=256):
+    """Default hot/cold split for a VRAM budget: the largest per-layer prefixes (blocks of
+    `block` neurons) by activation frequency that fit after the dense part.
+
+    freq (n_layer, n_ff) in file order; neuron_bytes (n_layer,) bytes of one neuron's bundle rows.
+    Returns per-layer hot neuron counts. Frequencies are sorted hottest first in reordered layers,
+    so the greedy merge of block masses is the global top-k that PowerInfer's solver computes."""
+    free = target_bytes - fixed_bytes
+    hot = np.zeros(len(freq), np.int64)
+    if free <= 0:
+        return hot
+    n_ff = freq.shape[1]
+    starts = list(range(0, n_ff, block))
+    mass = np.array([[freq[l, s:s + block].sum() for s in starts] for l in range(len(freq))])
+    nxt = np.zeros(len(freq), np.int64)
+    while True:
+        cand = [(mass[l, nxt[l]] / max(1.0, neuron_bytes[l]), l) for l in range(len(freq)) if nxt[l] < len(starts)]
+        if not cand:
+            break
+        _, l = max(cand)
+        size = min(block, n_ff - starts[nxt[l]])
+        cost = size * neuron_bytes[l]
+        if cost > free:
+            break
+        free -= cost
+        hot[l] += size
+        nxt[l] += 1
+    return hot

@@ -1,0 +1,119 @@
+"""Per-layer activation predictors (DESIGN.md §2): x (d) -> Linear(d, r) -> ReLU -> Linear(r, n_ff).
+
+Trained with class-weighted BCE on the calibrated masks, stored in q8 blocks, and given one
+decision threshold per recall target, chosen on held-out tokens for recall of activation MASS:
+the share of sum |h| over truly active neurons that the selected candidates cover.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pinfer.formats import blocks
+
+RECALL_TARGETS = (0.95, 0.99, 0.995, 0.999)
+FIT_MARGIN = 0.2   # thresholds aim for 1 - 0.8 (1 - target) on the tokens that choose them
+
+
+@dataclass
+class Predictor:
+    w1: np.ndarray    # (r, d) float32, the values after q8 round trip
+    w2: np.ndarray    # (n_ff, r)
+    b2: np.ndarray    # (n_ff,)
+    parts1: dict      # q8 parts of w1
+    parts2: dict      # q8 parts of w2
+
+    @property
+    def rank(self):
+        return self.w1.shape[0]
+
+    def scores(self, x):
+        """x (N, d) float32 -> (N, n_ff) logits."""
+        return np.maximum(x @ self.w1.T, 0) @ self.w2.T + self.b2
+
+    def nbytes(self):
+        return sum(a.nbytes for a in (*self.parts1.values(), *self.parts2.values())) + self.b2.nbytes
+
+
+def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
+    """x (N, d) float32, mask (N, n_ff) bool -> Predictor, weights rounded through q8."""
+    g = torch.Generator().manual_seed(seed)
+    d, n_ff = x.shape[1], mask.shape[1]
+    fc1 = torch.nn.Linear(d, rank, bias=False)
+    fc2 = torch.nn.Linear(rank, n_ff)
+    with torch.no_grad():
+        for p in (fc1.weight, fc2.weight):
+            p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p.shape[1]))
+        p_act = torch.from_numpy(mask.mean(0).clip(1e-4, 1 - 1e-4).astype(np.float32))
+        fc2.bias.copy_(torch.log(p_act / (1 - p_act)))
+    # Missing an active neuron is the only error that changes outputs: weight positives up to
+    # balance the classes (capped so a rare neuron does not dominate).
+    pos_weight = ((1 - p_act) / p_act).clamp(1.0, 20.0)
+    params = [*fc1.parameters(), *fc2.parameters()]
+    opt = torch.optim.Adam(params, lr=lr)
+    xt, mt = torch.from_numpy(x), torch.from_numpy(mask)
+    n = len(xt)
+    steps = epochs * max(1, n // batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
+    step = 0
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=g)
+        for s in range(0, n - batch + 1 if n >= batch else 1, batch):
+            idx = order[s:s + batch]
+            logits = fc2(torch.relu(fc1(xt[idx])))
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                logits, mt[idx].float(), pos_weight=pos_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if step < steps - 1:
+                sched.step()
+            step += 1
+    w1 = fc1.weight.detach().numpy().astype(np.float32)
+    w2 = fc2.weight.detach().numpy().astype(np.float32)
+    p1, p2 = blocks.quantize("q8", w1), blocks.quantize("q8", w2)
+    return Predictor(blocks.dequantize("q8", p1), blocks.dequantize("q8", p2),
+                     fc2.bias.detach().numpy().astype(np.float32), p1, p2)
+
+
+@dataclass(frozen=True)
+class Threshold:
+    recall_target: float
+    threshold: float        # a neuron is a candidate when its score >= threshold
+    mass_recall: float      # measured on held-out tokens not used to choose the threshold
+    count_recall: float
+    candidate_fraction: float
+
+
+def calibrate(fit, check, targets=RECALL_TARGETS):
+    """Per recall target, the highest threshold whose mass recall on the `fit` tokens meets it,
+    with its quality measured on the separate `check` tokens.
+
+    fit, check: (scores, habs, active), (N, n_ff) arrays each: predictor logits, |h|, true mask."""
+    scores, habs, active = (torch.as_tensor(a) for a in fit)
+    # Sorting the scores of active neurons gives mass recall as a function of the threshold.
+    s_act = scores[active]
+    s_sorted, order = torch.sort(s_act, descending=True)
+    cum = torch.cumsum(habs[active].double()[order], 0)
+    total = float(cum[-1]) if len(cum) else 0.0
+    check = tuple(torch.as_tensor(a) for a in check)
+    out = []
+    for t in targets:
+        # aim a little past the target on the fit tokens, so that unseen tokens still meet it
+        aim = 1 - (1 - t) * (1 - FIT_MARGIN)
+        k = int(torch.searchsorted(cum, torch.tensor([aim * total], dtype=torch.float64)))
+        thr = float(s_sorted[min(k, len(s_sorted) - 1)]) if len(s_sorted) else float("inf")
+        out.append(Threshold(t, thr, *quality(thr, *check)))
+    return out
+
+
+def quality(threshold, scores, habs, active):
+    """(mass recall, count recall, candidate fraction) of `threshold` on these tokens."""
+    scores, habs, active = (torch.as_tensor(a) for a in (scores, habs, active))
+    cand = scores >= threshold
+    mass = torch.where(active, habs.double(), 0.0)
+    total = float(mass.sum())
+    return (float(mass[cand].sum()) / total if total > 0 else 1.0,
+            float((cand & active).sum()) / max(int(active.sum()), 1),
+            float(cand.float().mean()))
