@@ -11,7 +11,7 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 
 # torch is pinned to the CPU build that pip finds locally (a bare `torch` pulls a multi-GB CUDA
 # build); for a CUDA machine see README.md.
-$(VENV)/.installed: pyproject.toml setup.py kernels/csrc/*.c
+$(VENV)/.installed: pyproject.toml setup.py kernels/csrc/*.c kernels/csrc/*.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

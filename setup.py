@@ -6,8 +6,9 @@ setup(
     ext_modules=[
         Extension(
             "pinfer.kernels._kernels",
-            sources=["kernels/csrc/ffn_down.c"],
-            extra_compile_args=["-O3", "-fopenmp", "-std=c11"],
+            sources=["kernels/csrc/ffn_down.c", "kernels/csrc/ffn_sparse.c"],
+            depends=["kernels/csrc/half.h"],
+            extra_compile_args=["-O3", "-fopenmp", "-std=c11", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
         )
     ]

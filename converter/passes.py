@@ -100,7 +100,7 @@ def _bundle_formats(src, names, cfg, i, quant, permuted, predictor_bytes):
     carried = blocks.from_gguf_transposed(dn.ttype, dn.raw, dn.rows, dn.k)
     if carried is not None and PL.carries_down(quant, carried[0], permuted):
         return PL.BundleFormats(gu, (carried[0], "min" in carried[1]), predictor_bytes)
-    return PL.BundleFormats(gu, ("q4", True) if gu[0] == "q4" else ("q8", False), predictor_bytes)
+    return PL.BundleFormats(gu, ("q4", True) if quant in ("int4", "mixed") else ("q8", False), predictor_bytes)
 
 
 def run(src, names, cfg, tokenizer_spec, opts, quant):

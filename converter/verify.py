@@ -15,6 +15,7 @@ SAMPLES = ("Hello, world! 1234 + 5678 = 6912.", "  leading spaces, tabs\tand\nne
            "Ünïcödé: naïve café, 東京, emoji 🙂.")
 TEACHER_TOKENS = 128
 PPL_SEQUENCES = 8
+TOP1_WARN = 0.9     # below this teacher-forced top-1 agreement with the source, say so
 
 
 def _log(msg):
@@ -81,6 +82,10 @@ def verify_output(path, layout):
         "gate_up_rows_read": gu, "down_rows_read": down, "modes": model.sparsity_names,
     }
     tf, rh = checks["teacher_forced"], checks["runtime_heldout"]
+    if tf["top1_agreement"] < TOP1_WARN:
+        _log(f"verify: warning: the file's dense top-1 agrees with the source model on only "
+             f"{tf['top1_agreement']:.1%} of {tf['tokens']} tokens (expected at least {TOP1_WARN:.0%}); "
+             "check the re-quantized tensors in the report's conversion_error")
     _log(f"verify: tokenizer round trip ok; teacher-forced {tf['tokens']} tokens vs PyTorch on the source: "
          f"max |dlogit| {tf['max_abs_diff']:.3f}, rms {tf['rms_diff']:.3f}, top-1 {tf['top1_agreement']:.1%} dense, "
          f"{tf['top1_agreement_as_planned']:.1%} as planned; runtime held-out perplexity {rh['dense_ppl']:.3f} dense, "

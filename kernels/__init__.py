@@ -21,6 +21,10 @@ def _load():
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pinfer_down.argtypes = [c_int, p, p, p, p, p, i64, i64, i64, c_int]
     lib.pinfer_down.restype = None
+    lib.pinfer_ffn_call.argtypes = [p]
+    lib.pinfer_ffn_call.restype = c_int
+    lib.pinfer_sparse_isa.argtypes = [c_int]
+    lib.pinfer_sparse_isa.restype = c_int
     return lib
 
 
@@ -47,25 +51,30 @@ def _check(a, dtype, shape, name):
                          f"got {a.dtype} {a.shape}")
 
 
+def _parts(table, fmt, parts, n, d, what):
+    """(format code, (q-or-w, scale, min) pointers) of checked block-format parts."""
+    if fmt not in table:
+        raise ValueError(f"the kernels take {what} in {sorted(table)}, not {fmt}")
+    code, spec = table[fmt]
+    missing = [k for k in spec if k not in parts and k not in _OPTIONAL_PARTS]
+    if missing:
+        raise ValueError(f"{what} in {fmt} needs the parts {sorted(spec)}; {', '.join(missing)} missing")
+    for k, (dtype, shape) in spec.items():
+        if k in parts:
+            _check(parts[k], np.dtype(dtype), shape(n, d), f"{what}.{k}")
+    ptr = lambda k: parts[k].ctypes.data if k in parts else None  # noqa: E731
+    return code, (ptr("q") or ptr("w"), ptr("scale"), ptr("min"))
+
+
 class DownProjection:
     """y (S, d) = h (S, n_ff) @ W, W stored neuron-major as `down_t` (n_ff, d) in one of
     _DOWN_FORMATS. Shapes are checked here once; the bound call passes raw pointers only."""
 
     def __init__(self, fmt, parts, threads, n_ff, d):
-        if fmt not in _DOWN_FORMATS:
-            raise ValueError(f"the down kernel takes {sorted(_DOWN_FORMATS)}, not {fmt}")
         if d % 32 or n_ff % 32:
             raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
-        self.code, spec = _DOWN_FORMATS[fmt]
-        missing = [p for p in spec if p not in parts and p not in _OPTIONAL_PARTS]
-        if missing:
-            raise ValueError(f"down_t in {fmt} needs the parts {sorted(spec)}; {', '.join(missing)} missing")
-        for part, (dtype, shape) in spec.items():
-            if part in parts:
-                _check(parts[part], np.dtype(dtype), shape(n_ff, d), f"down_t.{part}")
+        self.code, self._w = _parts(_DOWN_FORMATS, fmt, parts, n_ff, d, "down_t")
         self.parts, self.threads, self.n_ff, self.d = parts, threads, n_ff, d
-        ptr = lambda k: parts[k].ctypes.data if k in parts else None  # noqa: E731
-        self._w = (ptr("q") or ptr("w"), ptr("scale"), ptr("min"))
 
     def bind(self, h, y):
         """Fix the input and output buffers; returns a zero-argument callable."""
@@ -76,3 +85,109 @@ class DownProjection:
         args = (self.code, *self._w, h.ctypes.data, y.ctypes.data, S, self.n_ff, self.d, self.threads)
         f = _lib.pinfer_down
         return lambda: f(*args)
+
+
+# -- the sparse FFN of one token (kernels/csrc/ffn_sparse.c) --------------------------------------
+
+SPARSE_MODES = {"dense": 0, "down": 1, "predicted": 2, "relu": 3, "given": 4}
+ISAS = ("portable", "avx2", "avx512")
+_GATE_UP_FORMATS = {
+    "q4": (5, {"q": (np.uint8, lambda n, d: (n, 2, d // 2)), "scale": (np.float16, lambda n, d: (n, 2, d // 32)),
+               "min": (np.float16, lambda n, d: (n, 2, d // 32))}),
+    "f16": (3, {"w": (np.float16, lambda n, d: (n, 2, d))}),
+    "f32": (4, {"w": (np.float32, lambda n, d: (n, 2, d))}),
+}
+_SPARSE_DOWN = ("q4", "q4r", "f16", "f32")
+
+
+class _Call(ctypes.Structure):
+    """ffn_call_t of kernels/csrc/ffn_sparse.c."""
+    _fields_ = [(name, t) for names, t in (
+        (("mode", "act", "gu_fmt", "down_fmt"), ctypes.c_int),
+        (("gu_q", "gu_scale", "gu_min", "dn_q", "dn_scale", "dn_min", "w1q", "w1s", "w2q", "w2s", "b2"),
+         ctypes.c_void_p),
+        (("r",), ctypes.c_int64), (("thr", "pred_thr"), ctypes.c_float), (("x", "y"), ctypes.c_void_p),
+        (("n", "d"), ctypes.c_int64), (("idx", "val", "counts"), ctypes.c_void_p), (("threads",), ctypes.c_int),
+    ) for name in names]
+
+
+def sparse_isa(want=None):
+    """The instruction set the sparse kernels use; `want` ("portable", "avx2", "avx512") forces a
+    lower one (tests), and the best the CPU has is used when it lacks the one asked for."""
+    return ISAS[_lib.pinfer_sparse_isa(-1 if want is None else ISAS.index(want))]
+
+
+class SparseFFN:
+    """One layer's FFN for one token at a time: y (d) = down(rule(act(gate x) * up x)) over the
+    neurons the mode computes (kernels/csrc/ffn_sparse.c). Weights are checked here once."""
+
+    def __init__(self, gate_up, down, n_ff, d, act="silu", predictor=None, threads=1):
+        if d % 32 or n_ff % 32:
+            raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
+        if act not in ("silu", "relu"):
+            raise ValueError(f"the sparse FFN takes the activations silu and relu, not {act}")
+        self.n_ff, self.d, self.threads = n_ff, d, threads
+        self.act = 0 if act == "silu" else 1
+        self.gu_code, self.gu = _parts(_GATE_UP_FORMATS, *gate_up, n_ff, d, "gate_up")
+        if down[0] not in _SPARSE_DOWN:
+            raise ValueError(f"the sparse FFN takes down_t in {list(_SPARSE_DOWN)}, not {down[0]}")
+        self.dn_code, self.dn = _parts({k: _DOWN_FORMATS[k] for k in _SPARSE_DOWN}, *down, n_ff, d, "down_t")
+        self.keep = (gate_up, down, predictor)
+        self.pred = (None, None, None, None, None, 0)
+        if predictor is not None:
+            w1, w2, b2 = predictor
+            r = w1["q"].shape[0]
+            if r % 32:
+                raise ValueError(f"predictor rank {r} must be a multiple of 32")
+            for a, dtype, shape, name in ((w1["q"], np.uint8, (r, d), "w1.q"), (w1["scale"], np.float16, (r, d // 32), "w1.scale"),
+                                          (w2["q"], np.uint8, (n_ff, r), "w2.q"),
+                                          (w2["scale"], np.float16, (n_ff, r // 32), "w2.scale"),
+                                          (b2, np.float32, (n_ff,), "b2")):
+                _check(a, np.dtype(dtype), shape, f"predictor {name}")
+            self.pred = (w1["q"].ctypes.data, w1["scale"].ctypes.data, w2["q"].ctypes.data,
+                         w2["scale"].ctypes.data, b2.ctypes.data, r)
+        self.idx = np.empty(n_ff, np.int32)
+        self.val = np.empty(n_ff, np.float32)
+        self.counts = np.zeros(2, np.int64)
+
+    def bind(self, x, y, mode="dense", threshold=0.0, pred_threshold=0.0):
+        """Fix the buffers x, y (float32 (d,)) and the rule; returns a zero-argument callable that
+        runs the layer and returns (candidates, survivors)."""
+        self._check(x, y, mode)
+        call = _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, *self.gu, *self.dn, *self.pred[:5],
+                     self.pred[5], threshold, pred_threshold, x.ctypes.data, y.ctypes.data, self.n_ff, self.d,
+                     self.idx.ctypes.data, self.val.ctypes.data, self.counts.ctypes.data, self.threads)
+        ref, f, counts = ctypes.byref(call), _lib.pinfer_ffn_call, self.counts
+
+        def run():
+            if f(ref):
+                raise ValueError("the sparse FFN kernel refused its sizes")
+            return int(counts[0]), int(counts[1])
+        run.keep = (call, x, y)
+        return run
+
+    def _check(self, x, y, mode):
+        if mode not in SPARSE_MODES:
+            raise ValueError(f"sparse FFN mode {mode!r} is not one of {', '.join(SPARSE_MODES)}")
+        if mode in ("predicted", "relu") and self.pred[0] is None:
+            raise ValueError(f"mode {mode} needs a predictor")
+        for a, name in ((x, "x"), (y, "y")):
+            if a.dtype != np.float32 or not a.flags.c_contiguous or a.size != self.d:
+                raise ValueError(f"sparse FFN buffer {name} {a.dtype} {a.shape} is not {self.d} float32 values")
+
+    def __call__(self, x, y, mode="dense", threshold=0.0, pred_threshold=0.0, candidates=None):
+        """x, y: float32 (d,). Returns (candidates, survivors). Mode "given" computes the neurons
+        `candidates` (ascending indices) under the threshold rule."""
+        self._check(x, y, mode)
+        if mode == "given":
+            cand = np.asarray(candidates, np.int32)
+            if cand.ndim != 1 or len(cand) > self.n_ff or (len(cand) and (cand.min() < 0 or cand.max() >= self.n_ff
+                                                                         or (np.diff(cand) <= 0).any())):
+                raise ValueError(f"candidates must be ascending distinct neuron indices below {self.n_ff}")
+            self.idx[:len(cand)] = cand
+            self.counts[0] = len(cand)
+        return self.bind(x, y, mode, threshold, pred_threshold)()
+
+    def survivors(self):
+        """(neuron indices, h values) of the last call's survivors."""
+        return self.idx[:self.counts[1]].copy(), self.val[:self.counts[1]].copy()

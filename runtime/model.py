@@ -19,7 +19,7 @@ import onnxruntime as ort
 from pinfer.formats import PinfReader, blocks
 from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig
-from pinfer.kernels import DownProjection
+from pinfer.kernels import DownProjection, SparseFFN
 
 from .sparse import Counters, LayerRule, Rule
 
@@ -30,6 +30,7 @@ class RuntimeOptions:
     threads: int = 0        # 0: all cores
     verbose: bool = False
     sparsity: str = ""      # "": each layer's mode from the file; else dense | down:S | predicted:R | relu:R
+    kernels: bool = True    # decode sparse layers with pinfer's fused FFN kernel (False: the NumPy rules)
 
 
 DEFAULT_CTX = 4096
@@ -141,7 +142,8 @@ class Model:
         self.head = self._session(S.HEAD_GRAPH, self.threads)
         self.downs = [self._down(i) for i in range(cfg.n_layer)]
         self.counters = Counters()
-        self.set_sparsity(options.sparsity)
+        self.use_kernels = options.kernels
+        self.attn = None        # attention-only sessions for kernel decode, made on first need
 
         kv_shape = (1, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
         self.kv = [(np.zeros(kv_shape, np.float32), np.zeros(kv_shape, np.float32)) for _ in range(cfg.n_layer)]
@@ -149,13 +151,8 @@ class Model:
         self.cos, self.sin = rope_tables(cfg, self.n_ctx, freqs)
         self.seqlens = np.zeros(1, np.int32)     # GroupQueryAttention: total length - 1
         self.total = np.zeros((), np.int32)      # total length after this call
-        for i, layer in enumerate(self.layers):
-            k, v = self.kv[i]
-            for name, a in (("past_key", k), ("past_value", v), ("seqlens_k", self.seqlens),
-                            ("total_len", self.total), ("cos_cache", self.cos), ("sin_cache", self.sin)):
-                layer.bind_in(name, a)
-            layer.bind_out("present_key", k)
-            layer.bind_out("present_value", v)
+        self._bind_state(self.layers)
+        self.set_sparsity(options.sparsity)
         self._shape = None       # the sequence length the activation buffers are bound for
         self._head_shape = None  # the row count the head's buffers are bound for
         self.n_past = 0
@@ -166,7 +163,32 @@ class Model:
         file's per-layer modes with ""."""
         self.rules = [LayerRule(self.reader, self.reader.header, i, self._rule(i, override), self.counters)
                       for i in range(self.cfg.n_layer)]
+        self.ffns = [self._sparse_ffn(i) for i in range(self.cfg.n_layer)]
+        if any(self.ffns) and self.attn is None:
+            self.attn = [self._session(S.LAYER_GRAPH.format(i), self.threads, attention_only=True)
+                         for i in range(self.cfg.n_layer)]
+            self._bind_state(self.attn)
         self._shape = None      # the bound steps call the rules: bind again
+
+    def _sparse_ffn(self, i):
+        """The fused kernel for layer i's decode, or None where the ONNX graph and NumPy rule run:
+        dense layers (ONNX Runtime's MatMulNBits is the faster dense path), formats or shapes the
+        kernel lacks, and --quant mixed splits."""
+        rule, r, cfg = self.rules[i], self.reader, self.cfg
+        if not self.use_kernels or rule.rule.mode == "dense" or S.FFN_GATE_UP_COLD.format(i) in r.header["weights"]:
+            return None
+        gate_up, down = r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i))
+        predictor = None
+        if rule.rule.mode in ("predicted", "relu"):
+            predictor = (r.block(S.FFN_PRED_W1.format(i))[1], r.block(S.FFN_PRED_W2.format(i))[1],
+                         r.tensor(S.FFN_PRED_B2.format(i)))
+        try:
+            ffn = SparseFFN(gate_up, down, cfg.n_ff, cfg.d_model, cfg.ffn_act, predictor, self.threads)
+        except ValueError:
+            return None
+        thr = float(rule.threshold) if rule.threshold is not None else 0.0
+        pthr = float(rule.pred[3]) if rule.pred is not None else 0.0
+        return ffn, rule.rule.mode, thr, pthr
 
     def _rule(self, layer, override):
         if override:
@@ -190,8 +212,22 @@ class Model:
         return SplitDown(DownProjection(hot_fmt, hot_parts, self.threads, hot, cfg.d_model),
                          DownProjection(*r.block(cold), self.threads, cfg.n_ff - hot, cfg.d_model))
 
-    def _session(self, graph, threads):
+    def _bind_state(self, sessions):
+        """Bind the KV cache, positions and RoPE tables, shared by every layer session."""
+        for i, layer in enumerate(sessions):
+            k, v = self.kv[i]
+            for name, a in (("past_key", k), ("past_value", v), ("seqlens_k", self.seqlens),
+                            ("total_len", self.total), ("cos_cache", self.cos), ("sin_cache", self.sin)):
+                layer.bind_in(name, a)
+            layer.bind_out("present_key", k)
+            layer.bind_out("present_value", v)
+
+    def _session(self, graph, threads, attention_only=False):
         proto = onnx.load_from_string(self.reader.graph_bytes(graph))
+        if attention_only:      # without ffn_h, ONNX Runtime drops the gate/up nodes as dead code
+            keep = [o for o in proto.graph.output if o.name != "ffn_h"]
+            del proto.graph.output[:]
+            proto.graph.output.extend(keep)
         names, values = [], []
         for t in proto.graph.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL:
@@ -218,14 +254,32 @@ class Model:
         self.x = np.zeros((1, n, d), np.float32)
         self.steps = []
         for i, layer in enumerate(self.layers):
+            kernel = n == 1 and self.ffns[i] is not None     # decode: the fused FFN kernel
+            if kernel:
+                layer = self.attn[i]
+            else:
+                layer.bind_out("ffn_h", self.h)
             layer.bind_in("resid", self.resid[i % 2])
             layer.bind_in("delta", self.delta)
             layer.bind_out("resid_out", self.resid[(i + 1) % 2])
-            layer.bind_out("ffn_h", self.h)
             layer.bind_out("ffn_x", self.x)
-            self.steps += [layer.run, self.rules[i].bind(self.x[0], self.h[0]),
-                           self.downs[i].bind(self.h[0], self.delta[0])]
+            if kernel:
+                self.steps += [layer.run, self._kernel_step(i)]
+            else:
+                self.steps += [layer.run, self.rules[i].bind(self.x[0], self.h[0]),
+                               self.downs[i].bind(self.h[0], self.delta[0])]
         self._shape = n
+
+    def _kernel_step(self, i):
+        ffn, mode, thr, pthr = self.ffns[i]
+        run, c, n_ff = ffn.bind(self.x[0, 0], self.delta[0, 0], mode, thr, pthr), self.counters, self.cfg.n_ff
+
+        def step():
+            cand, kept = run()
+            c.gate_up += cand
+            c.down += kept
+            c.full += n_ff
+        return step
 
     def embed(self, tokens):
         return blocks.dequantize(self.embd_format, self.embd_parts, rows=np.asarray(tokens))

@@ -140,6 +140,28 @@ def test_gated_modes_run_in_the_runtime(silu_file):
         Model(path, RuntimeOptions(sparsity="sparse:0.5"))
 
 
+@pytest.mark.parametrize("which, sparsity", [("silu", "down:0.3"), ("silu", "predicted:0.99"),
+                                             ("relu", "relu:0.99")])
+def test_kernel_decode_agrees_with_the_numpy_rules(silu_file, relu_files, which, sparsity):
+    """Decode through the fused C kernel (int8 activations) against the ONNX graph + NumPy rule
+    path on the same file: same tokens chosen, the same share of rows read."""
+    path = silu_file[1] if which == "silu" else relu_files["hot-first"]
+    models = {k: Model(path, RuntimeOptions(sparsity=sparsity, kernels=k, threads=1)) for k in (False, True)}
+    assert all(f is not None for f in models[True].ffns) and not any(models[False].ffns)
+    ids = _ids(models[False], 40)
+    logits = {}
+    for k, m in models.items():
+        m.forward(ids[:8])
+        m.counters.reset()
+        logits[k] = np.stack([m.forward([t]) for t in ids[8:]])
+    top1 = (logits[True].argmax(-1) == logits[False].argmax(-1)).mean()
+    assert top1 >= 0.9, top1
+    spread = np.abs(logits[False]).max()
+    assert np.abs(logits[True] - logits[False]).max() < 0.1 * spread
+    (gu_a, dn_a), (gu_b, dn_b) = models[False].counters.fractions(), models[True].counters.fractions()
+    assert abs(gu_a - gu_b) < 0.05 and abs(dn_a - dn_b) < 0.05, (gu_a, dn_a, gu_b, dn_b)
+
+
 def test_bad_sparsity_and_calibration_input_get_one_sentence(silu_file, tmp_path):
     src, _ = silu_file
     for sparsity, msg in (("relu:0.99", "ReLU-family"), ("down:1.5", "between 0 and 1"), ("magic", "is not none")):

@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -34,34 +36,6 @@
 #define COL_CHUNK 512  /* output columns per work unit */
 
 enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalize */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-#if defined(__x86_64__) && defined(__GNUC__) && __GNUC__ >= 12
-typedef _Float16 half_t; /* converts with F16C (vcvtph2ps) in the AVX2/AVX-512 clones */
-#define HALF(x) ((float)(x))
-#else
-typedef uint16_t half_t;
-#define HALF(x) f16_to_f32(x)
-#endif
 
 PINFER_CLONES
 static void halves_to_floats(const uint16_t *src, float *restrict dst, int64_t n) {

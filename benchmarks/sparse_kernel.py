@@ -1,0 +1,140 @@
+"""One FFN layer for one token: pinfer's sparse kernel at several active fractions against its own
+dense path and ONNX Runtime's MatMulNBits on the same layer, in one process.
+
+    python benchmarks/sparse_kernel.py [--shapes 7b,13b,70b] [--threads 1,2] [--reps 7]
+
+Weights are random bytes in the layouts a converted file holds: INT4 (q4, group 32, f16 scale,
+no min, the MatMulNBits convention) or FP16 gate/up bundles, and down_t rows of the same format.
+"Active" neurons are drawn at random (a worst case for caches: no locality) and handed to the
+kernel as its candidate list; every candidate survives (threshold 0), so the fraction is exact.
+Bytes are the weight bytes the call reads; GB/s = bytes / median time. ONNX Runtime runs the
+dense layer as MatMulNBits(gate|up) -> SiLU * up -> MatMulNBits(down), 4 bits, block 32,
+accuracy level 4 (int8 activations, as pinfer's kernel), on the same number of threads.
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from pinfer.kernels import SparseFFN, sparse_isa
+
+SHAPES = {"smollm2": (576, 1536), "7b": (4096, 11008), "13b": (5120, 13824), "70b": (8192, 28672)}
+FRACTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
+
+
+def random_layer(fmt, n, d, rng):
+    """(gate_up (fmt, parts), down_t (fmt, parts)) with values of a plausible scale."""
+    if fmt == "f16":
+        gu = {"w": (rng.standard_normal((n, 2, d), np.float32) * 0.02).astype(np.float16)}
+        dn = {"w": (rng.standard_normal((n, d), np.float32) * 0.02).astype(np.float16)}
+        return ("f16", gu), ("f16", dn)
+    gu = {"q": rng.integers(0, 256, (n, 2, d // 2), np.uint8),
+          "scale": np.full((n, 2, d // 32), 0.003, np.float16)}
+    dn = {"q": rng.integers(0, 256, (n, d // 2), np.uint8), "scale": np.full((n, d // 32), 0.003, np.float16)}
+    return ("q4", gu), ("q4", dn)
+
+
+def ort_layer(gu, dn, n, d, threads):
+    """ONNX Runtime session of the same dense layer; the down weight is re-laid out (d, n) for
+    MatMulNBits' [N, K] convention."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from pinfer.formats import blocks
+
+    # down_t rows j = column j of W_down; MatMulNBits wants rows i of W_down (d, n), groups along n
+    w_down = blocks.dequantize("q4", dn).T.copy()
+    g = w_down.reshape(d, n // 32, 32)
+    scale = (np.abs(g).max(-1) / 7).astype(np.float16)
+    inv = np.divide(1, scale.astype(np.float32), out=np.zeros(scale.shape, np.float32), where=scale != 0)
+    q = np.clip(np.rint(g * inv[..., None]) + 8, 0, 15).astype(np.uint8)
+    q_down = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    inits = [
+        numpy_helper.from_array(gu["q"].reshape(2 * n, d // 32, 16), "gu_q"),
+        numpy_helper.from_array(gu["scale"].astype(np.float32).reshape(-1), "gu_s"),
+        numpy_helper.from_array(q_down, "dn_q"),
+        numpy_helper.from_array(scale.astype(np.float32).reshape(-1), "dn_s"),
+        numpy_helper.from_array(np.array([1, n, 2], np.int64), "shape3"),
+        numpy_helper.from_array(np.array([1, n], np.int64), "shape2"),
+    ]
+    mm = dict(domain="com.microsoft", bits=4, block_size=32, accuracy_level=4)
+    nodes = [
+        helper.make_node("MatMulNBits", ["x", "gu_q", "gu_s"], ["gu"], K=d, N=2 * n, **mm),
+        helper.make_node("Reshape", ["gu", "shape3"], ["gu3"]),
+        helper.make_node("Split", ["gu3"], ["g", "u"], axis=2, num_outputs=2),
+        helper.make_node("Sigmoid", ["g"], ["sg"]),
+        helper.make_node("Mul", ["g", "sg"], ["a"]),
+        helper.make_node("Mul", ["a", "u"], ["h3"]),
+        helper.make_node("Reshape", ["h3", "shape2"], ["h"]),
+        helper.make_node("MatMulNBits", ["h", "dn_q", "dn_s"], ["y"], K=n, N=d, **mm),
+    ]
+    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, d])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, d])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return lambda x: sess.run(None, {"x": x[None]})
+
+
+def median_time(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def row_bytes(fmt, d):
+    return 2 * d if fmt == "f16" else d // 2 + 2 * (d // 32)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="7b,13b,70b")
+    ap.add_argument("--formats", default="int4,fp16")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    print(f"sparse kernels: {sparse_isa()} path\n")
+    print("| shape (d x n_ff) | format | threads | active | ms | GB/s | vs our dense | vs ORT MatMulNBits |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for shape in a.shapes.split(","):
+        d, n = SHAPES[shape]
+        for fmt_name in a.formats.split(","):
+            fmt = "f16" if fmt_name == "fp16" else "q4"
+            gu, dn = random_layer(fmt, n, d, rng)
+            x = rng.standard_normal(d).astype(np.float32)
+            y = np.empty(d, np.float32)
+            per_neuron = 3 * row_bytes(fmt, d)
+            for threads in map(int, a.threads.split(",")):
+                ffn = SparseFFN(gu, dn, n, d, threads=threads)
+                ort_t = None
+                if fmt == "q4":
+                    run_ort = ort_layer(gu[1], dn[1], n, d, threads)
+                    ort_t = median_time(lambda: run_ort(x), a.reps)
+                dense_t = median_time(ffn.bind(x, y, "dense"), a.reps)
+                for frac in FRACTIONS:
+                    cand = np.sort(rng.choice(n, int(round(frac * n)), replace=False)).astype(np.int32)
+                    ffn(x, y, "given", candidates=cand)      # sets the candidates; the bound call keeps them
+                    t = median_time(ffn.bind(x, y, "given"), a.reps)
+                    gbs = len(cand) * per_neuron / t / 1e9
+                    vs_ort = f"{ort_t / t:.2f}x" if ort_t else "-"
+                    print(f"| {shape} ({d} x {n}) | {fmt_name} | {threads} | {frac:.0%} | {t * 1e3:.2f} | {gbs:.1f} "
+                          f"| {dense_t / t:.2f}x | {vs_ort} |", flush=True)
+                if ort_t:
+                    gbs = n * per_neuron / ort_t / 1e9
+                    print(f"| {shape} ({d} x {n}) | {fmt_name} | {threads} | ORT dense | {ort_t * 1e3:.2f} | {gbs:.1f} "
+                          f"| {dense_t / ort_t:.2f}x | 1.00x |", flush=True)
+            del gu, dn
+    print("\nvs our dense / vs ORT: how many times faster this row is than that dense layer (>1: faster).")
+
+
+if __name__ == "__main__":
+    main()

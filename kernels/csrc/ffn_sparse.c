@@ -1,0 +1,596 @@
+/* Sparse FFN of one token (decode) over the neuron bundles: predictor -> candidate list -> gather
+ * GEMV over the candidates' gate/up rows -> activation and the exact rule -> axpy over the
+ * survivors' down rows.
+ *
+ * Layouts (formats/schema.py; n = n_ff neurons, d = d_model, r = predictor rank, G = 32):
+ *   x        f32 (d)                the FFN input (after the FFN norm)
+ *   y        f32 (d)                output, overwritten
+ *   gate_up  FMT_Q4   q u8 (n, 2, d/2), scale f16 (n, 2, d/G), min f16 (n, 2, d/G) or none;
+ *                     neuron j: its gate row, then its up row; in a row, element 2k is the low
+ *                     nibble of byte k and 2k+1 the high one; w = scale*q + min, or scale*(q - 8)
+ *            FMT_F16  w f16 (n, 2, d); FMT_F32  w f32 (n, 2, d)
+ *   down_t   FMT_Q4   q u8 (n, d/2), scale f16 (n, d/G), min f16 (n, d/G) or none (groups along d)
+ *            FMT_Q4R  q u8 (n, d/2), scale f16 (n/G, d), min f16 (n/G, d) or none (groups of
+ *                     32 neurons, GGUF's layout)
+ *            FMT_F16  w f16 (n, d); FMT_F32  w f32 (n, d)
+ *   predictor  w1 q8: q u8 (r, d), scale f16 (r, d/G); w2 q8: q u8 (n, r), scale f16 (n, r/G);
+ *              b2 f32 (n); q8 stores q + 128; scores = w2 relu(w1 x) + b2
+ *   idx      i32 (n) scratch: candidates, then survivors; val f32 (n) scratch: their h
+ *
+ * INT4 gate/up rows meet int8 activations (x quantized per group of 32, as llama.cpp's Q8_0):
+ * AVX-512 VNNI (vpdpbusd) or AVX2 (pmaddubsw) integer dot products per group, scaled once per
+ * group. The activations are stored in the nibbles' order: per chunk of up to four groups, the
+ * even elements of each group (16 bytes per group), then the odd ones, so that the low and high
+ * nibbles of 64 weight bytes meet their activations in one load each.
+ *
+ * Threads split the candidates (gate/up) and the output columns (down); every output element is
+ * summed by one thread in ascending neuron order, so results do not depend on the thread count.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "half.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define PINFER_X86 1
+#endif
+#if defined(PINFER_X86) && !defined(__clang__)
+#define PINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define PINFER_CLONES
+#endif
+
+#define G 32
+#define MAX_D 65536
+
+/* for (k = 0; k < n; k++) body, on `threads` OpenMP threads; one thread runs it inline (an
+   OpenMP region with if(0) still costs microseconds, as much as a small layer's FFN). */
+#define FOR_THREADS(threads, k, n, ...)                                                         \
+    do {                                                                                        \
+        if ((threads) > 1) {                                                                    \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
+            for (int64_t k = 0; k < (n); k++) __VA_ARGS__                                       \
+        } else {                                                                                \
+            for (int64_t k = 0; k < (n); k++) __VA_ARGS__                                       \
+        }                                                                                       \
+    } while (0)
+
+enum { FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };    /* as in ffn_down.c */
+enum { MODE_DENSE = 0, MODE_DOWN = 1, MODE_PREDICTED = 2, MODE_RELU = 3, MODE_GIVEN = 4 };
+enum { ACT_SILU = 0, ACT_RELU = 1 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+/* -- activations --------------------------------------------------------------------------- */
+
+typedef struct {
+    int8_t *q;      /* (d) in chunk order, see above */
+    float *scale;   /* (d/G) */
+    float *lanes;   /* (d/8): each group's scale four times, one per 32-bit lane of its sums */
+    float *sum;     /* (d/G) scale * sum of the group's q: meets the weights' min */
+} qx_t;
+
+/* Position of element e of group g (of ng groups) in chunk order. */
+static inline int64_t chunk_pos(int64_t g, int64_t e, int64_t ng) {
+    const int64_t c = g / 4, k = g % 4, in_chunk = ng - 4 * c < 4 ? ng - 4 * c : 4;
+    return 4 * c * G + (e % 2) * 16 * in_chunk + k * 16 + e / 2;
+}
+
+static void quantize_x(const float *x, int64_t d, qx_t *o) {
+    const int64_t ng = d / G;
+    for (int64_t g = 0; g < ng; g++) {
+        float amax = 0.0f;
+        for (int64_t e = 0; e < G; e++) amax = fmaxf(amax, fabsf(x[g * G + e]));
+        const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+        int8_t *even = o->q + chunk_pos(g, 0, ng), *odd = o->q + chunk_pos(g, 1, ng);
+        int32_t total = 0;
+        for (int64_t e = 0; e < G / 2; e++) {
+            const int a = (int)lrintf(x[g * G + 2 * e] * inv), b = (int)lrintf(x[g * G + 2 * e + 1] * inv);
+            even[e] = (int8_t)a;
+            odd[e] = (int8_t)b;
+            total += a + b;
+        }
+        o->scale[g] = s;
+        o->sum[g] = s * (float)total;
+        for (int k = 0; k < 4; k++) o->lanes[4 * g + k] = s;
+    }
+}
+
+/* -- int4 x int8 row dots -------------------------------------------------------------------- */
+
+/* Dot of one q4 row with the quantized x, before the min term: sum over groups of
+   scale_w[g] * scale_x[g] * sum(q * xq). */
+static float dot_q4_portable(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d) {
+    const int64_t ng = d / G;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        int32_t s = 0;
+        for (int64_t k = 0; k < 16; k++) {
+            const uint8_t b = q[g * 16 + k];
+            s += (b & 15) * x->q[chunk_pos(g, 2 * k, ng)] + (b >> 4) * x->q[chunk_pos(g, 2 * k + 1, ng)];
+        }
+        acc += HALF(((const half_t *)scale)[g]) * x->scale[g] * (float)s;
+    }
+    /* the min term: sum over groups of min * scale_x * sum(xq); without min, min = -8 * scale */
+    const half_t *mn = (const half_t *)(min ? min : scale);
+    float m = 0.0f;
+    for (int64_t g = 0; g < ng; g++) m += HALF(mn[g]) * x->sum[g];
+    return acc + (min ? 1.0f : -8.0f) * m;
+}
+
+#ifdef PINFER_X86
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c")))
+static float dot_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d) {
+    const int64_t ng = d / G;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g += 4) {
+        const int64_t k = ng - g < 4 ? ng - g : 4;
+        const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
+        const __m512i v = _mm512_maskz_loadu_epi8(m, q + g * 16);
+        const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + g * G);
+        const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + g * G + 16 * k);
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, low4), xe);
+        s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), xo);
+        const __mmask16 m4 = (__mmask16)((1u << (4 * k)) - 1);
+        const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_castsi128_si256(
+            _mm_maskz_loadu_epi16((__mmask8)((1u << k) - 1), scale + g))));
+        const __m512 f = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(m4, x->lanes + 4 * g));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc);
+    }
+    /* the min term: sum over groups of min * scale_x * sum(xq); without min, min = -8 * scale */
+    const uint16_t *mn = min ? min : scale;
+    __m512 macc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g += 16) {
+        const __mmask16 m = ng - g >= 16 ? 0xffff : (__mmask16)((1u << (ng - g)) - 1);
+        macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mn + g)),
+                               _mm512_maskz_loadu_ps(m, x->sum + g), macc);
+    }
+    return _mm512_reduce_add_ps(acc) + (min ? 1.0f : -8.0f) * _mm512_reduce_add_ps(macc);
+}
+
+/* Gate and up rows of one neuron together (q: gate row then up row; scale, min: the gate's ng
+   values then the up's): the activations are loaded once for both. out = {gate . x, up . x}. */
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c")))
+static void pair_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d,
+                           float *out) {
+    const int64_t ng = d / G, half = d / 2;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 ag = _mm512_setzero_ps(), au = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g += 4) {
+        const int64_t k = ng - g < 4 ? ng - g : 4;
+        const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
+        const __mmask16 m4 = (__mmask16)((1u << (4 * k)) - 1);
+        const __mmask8 m1 = (__mmask8)((1u << k) - 1);
+        const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + g * G);
+        const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + g * G + 16 * k);
+        const __m512 lanes = _mm512_maskz_loadu_ps(m4, x->lanes + 4 * g);
+        const __m512i vg = _mm512_maskz_loadu_epi8(m, q + g * 16);
+        const __m512i vu = _mm512_maskz_loadu_epi8(m, q + half + g * 16);
+        __m512i sg = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(vg, low4), xe);
+        __m512i su = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(vu, low4), xe);
+        sg = _mm512_dpbusd_epi32(sg, _mm512_and_si512(_mm512_srli_epi16(vg, 4), low4), xo);
+        su = _mm512_dpbusd_epi32(su, _mm512_and_si512(_mm512_srli_epi16(vu, 4), low4), xo);
+        const __m512 wg = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_castsi128_si256(
+            _mm_maskz_loadu_epi16(m1, scale + g))));
+        const __m512 wu = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_castsi128_si256(
+            _mm_maskz_loadu_epi16(m1, scale + ng + g))));
+        ag = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sg), _mm512_mul_ps(wg, lanes), ag);
+        au = _mm512_fmadd_ps(_mm512_cvtepi32_ps(su), _mm512_mul_ps(wu, lanes), au);
+    }
+    const uint16_t *mn = min ? min : scale;
+    __m512 mg = _mm512_setzero_ps(), mu = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g += 16) {
+        const __mmask16 m = ng - g >= 16 ? 0xffff : (__mmask16)((1u << (ng - g)) - 1);
+        const __m512 xs = _mm512_maskz_loadu_ps(m, x->sum + g);
+        mg = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mn + g)), xs, mg);
+        mu = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mn + ng + g)), xs, mu);
+    }
+    const float k = min ? 1.0f : -8.0f;
+    out[0] = _mm512_reduce_add_ps(ag) + k * _mm512_reduce_add_ps(mg);
+    out[1] = _mm512_reduce_add_ps(au) + k * _mm512_reduce_add_ps(mu);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static float dot_q4_avx2(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d) {
+    const int64_t ng = d / G;
+    const __m128i low4 = _mm_set1_epi8(15);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g += 2) { /* two groups: 32 weight bytes, 64 activations */
+        if (ng - g < 2) {
+            /* one group left: the chunk holds k groups; this is group (g % 4) of it */
+            const int64_t c0 = g / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, i = g - c0;
+            const __m128i v = _mm_loadu_si128((const __m128i *)(q + g * 16));
+            const __m128i xe = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * i));
+            const __m128i xo = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * k + 16 * i));
+            const __m128i p = _mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(v, low4), xe),
+                                            _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low4), xo));
+            const __m128i s = _mm_madd_epi16(p, _mm_set1_epi16(1));
+            const float f = HALF(((const half_t *)scale)[g]) * x->scale[g];
+            acc = _mm256_add_ps(acc, _mm256_insertf128_ps(_mm256_setzero_ps(),
+                                                          _mm_mul_ps(_mm_cvtepi32_ps(s), _mm_set1_ps(f)), 0));
+            break;
+        }
+        const int64_t c0 = g / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, i = g - c0;
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + g * 16));
+        const __m256i xe = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * i));
+        const __m256i xo = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * k + 16 * i));
+        const __m256i l4 = _mm256_set_m128i(low4, low4);
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, l4), xe),
+                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), l4), xo));
+        const __m256i s = _mm256_madd_epi16(p, ones); /* lanes 0-3: group g, 4-7: group g+1 */
+        const float f0 = HALF(((const half_t *)scale)[g]) * x->scale[g];
+        const float f1 = HALF(((const half_t *)scale)[g + 1]) * x->scale[g + 1];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_setr_ps(f0, f0, f0, f0, f1, f1, f1, f1), acc);
+    }
+    const uint16_t *mn = min ? min : scale;
+    __m256 macc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8)
+        macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g))),
+                               _mm256_loadu_ps(x->sum + g), macc);
+    acc = _mm256_fmadd_ps(macc, _mm256_set1_ps(min ? 1.0f : -8.0f), acc);
+    float tail = 0.0f;
+    for (; g < ng; g++) tail += HALF(((const half_t *)mn)[g]) * x->sum[g];
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + (min ? 1.0f : -8.0f) * tail;
+}
+#endif
+
+static int isa = -1;
+
+static int detect_isa(void) {
+#ifdef PINFER_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return ISA_AVX2;
+#endif
+    return ISA_PORTABLE;
+}
+
+/* The best instruction set this CPU has; with `want` >= 0, that one if the CPU has it (tests). */
+int pinfer_sparse_isa(int want) {
+    const int best = detect_isa();
+    if (want >= 0) isa = want <= best ? want : best;
+    else if (isa < 0) isa = best;
+    return isa;
+}
+
+static float dot_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d) {
+#ifdef PINFER_X86
+    if (isa == ISA_AVX512) return dot_q4_avx512(q, scale, min, x, d);
+    if (isa == ISA_AVX2) return dot_q4_avx2(q, scale, min, x, d);
+#endif
+    return dot_q4_portable(q, scale, min, x, d);
+}
+
+PINFER_CLONES
+static float dot_f16(const uint16_t *w, const float *x, int64_t d) {
+    const half_t *h = (const half_t *)w;
+    float acc[16] = {0};
+    for (int64_t i = 0; i < d; i += 16)
+        for (int k = 0; k < 16; k++) acc[k] += HALF(h[i + k]) * x[i + k];
+    float s = 0.0f;
+    for (int k = 0; k < 16; k++) s += acc[k];
+    return s;
+}
+
+PINFER_CLONES
+static float dot_f32(const float *w, const float *x, int64_t d) {
+    float acc[16] = {0};
+    for (int64_t i = 0; i < d; i += 16)
+        for (int k = 0; k < 16; k++) acc[k] += w[i + k] * x[i + k];
+    float s = 0.0f;
+    for (int k = 0; k < 16; k++) s += acc[k];
+    return s;
+}
+
+/* -- predictor ------------------------------------------------------------------------------- */
+
+PINFER_CLONES
+static float dot_q8(const uint8_t *q, const uint16_t *scale, const float *x, int64_t k) {
+    float s = 0.0f;
+    for (int64_t g = 0; g < k / G; g++) {
+        float a = 0.0f;
+        for (int64_t e = 0; e < G; e++) a += (float)((int)q[g * G + e] - 128) * x[g * G + e];
+        s += HALF(((const half_t *)scale)[g]) * a;
+    }
+    return s;
+}
+
+typedef struct {
+    const uint8_t *w1q, *w2q;
+    const uint16_t *w1s, *w2s;
+    const float *b2;
+    int64_t r;
+} predictor_t;
+
+/* -- the layer ------------------------------------------------------------------------------- */
+
+typedef struct {
+    int gu_fmt, down_fmt, act;
+    const void *gu_q;             /* q bytes, or the f16 weights */
+    const uint16_t *gu_scale, *gu_min;
+    const void *dn_q;
+    const uint16_t *dn_scale, *dn_min;
+    int64_t n, d;
+} ffn_t;
+
+static float activate(int act, float g) { return act == ACT_RELU ? (g > 0.0f ? g : 0.0f) : g / (1.0f + expf(-g)); }
+
+/* h = act(g) * u, or 0 where the mode's rule skips the neuron. */
+static float rule(int act, float g, float u, int mode, float thr) {
+    const float h = activate(act, g) * u;
+    if (mode == MODE_RELU) return h;
+    if ((mode == MODE_DOWN || mode == MODE_PREDICTED || mode == MODE_GIVEN) && fabsf(h) < thr) return 0.0f;
+    return h;
+}
+
+/* h of neuron j, or 0 when the rule skips it (and then its up row is not read where the gate
+   alone decides). */
+static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, int mode, float thr) {
+    const int64_t d = f->d;
+    float g, u;
+    if (f->gu_fmt == FMT_F16) {
+        const uint16_t *row = (const uint16_t *)f->gu_q + j * 2 * d;
+        g = dot_f16(row, x, d);
+        if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
+        u = dot_f16(row + d, x, d);
+    } else if (f->gu_fmt == FMT_F32) {
+        const float *row = (const float *)f->gu_q + j * 2 * d;
+        g = dot_f32(row, x, d);
+        if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
+        u = dot_f32(row + d, x, d);
+    } else {
+        const uint8_t *q = (const uint8_t *)f->gu_q + j * d; /* 2 rows of d/2 bytes */
+        const int64_t ng = d / G;
+        const uint16_t *sc = f->gu_scale + j * 2 * ng, *mn = f->gu_min ? f->gu_min + j * 2 * ng : NULL;
+#ifdef PINFER_X86
+        if (isa == ISA_AVX512 && f->act != ACT_RELU) {
+            float gu[2];
+            pair_q4_avx512(q, sc, mn, qx, d, gu);
+            return rule(f->act, gu[0], gu[1], mode, thr);
+        }
+#endif
+        g = dot_q4(q, sc, mn, qx, d);
+        if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
+        u = dot_q4(q + d / 2, sc + ng, mn ? mn + ng : NULL, qx, d);
+    }
+    return rule(f->act, g, u, mode, thr);
+}
+
+/* p (ng groups of 32, nibble order) += sum over rows r < R, in order, of a[r][g] * nibbles of q4
+   row q[r] (16 bytes per group): R rows per pass load and store p once. */
+#define AXPY_ROWS 4
+#ifdef PINFER_X86
+__attribute__((target("avx512f,avx512bw")))
+static void axpy_q4_avx512(float *p, const uint8_t *const *q, const float (*a)[MAX_D / G], int R, int64_t ng) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 lo = _mm512_loadu_ps(p + G * g), hi = _mm512_loadu_ps(p + G * g + 16);
+        for (int r = 0; r < R; r++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(q[r] + 16 * g));
+            const __m512 ag = _mm512_set1_ps(a[r][g]);
+            lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low4))), ag, lo);
+            hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4))),
+                                 ag, hi);
+        }
+        _mm512_storeu_ps(p + G * g, lo);
+        _mm512_storeu_ps(p + G * g + 16, hi);
+    }
+}
+#endif
+
+static void axpy_q4_portable(float *restrict p, const uint8_t *const *q, const float (*a)[MAX_D / G], int R,
+                             int64_t ng) {
+    for (int64_t g = 0; g < ng; g++)
+        for (int r = 0; r < R; r++)
+            for (int e = 0; e < 16; e++) {
+                p[G * g + e] += a[r][g] * (float)(q[r][16 * g + e] & 15);
+                p[G * g + 16 + e] += a[r][g] * (float)(q[r][16 * g + e] >> 4);
+            }
+}
+
+static void axpy_q4(float *p, const uint8_t *const *q, const float (*a)[MAX_D / G], int R, int64_t ng) {
+#ifdef PINFER_X86
+    if (isa == ISA_AVX512) {
+        axpy_q4_avx512(p, q, a, R, ng);
+        return;
+    }
+#endif
+    axpy_q4_portable(p, q, a, R, ng);
+}
+
+/* y[c0, c1) = sum over survivors k of val[k] * row idx[k] of down_t, in ascending k. Rows stream
+   whole (axpy order); q4 rows land in `p` in the nibbles' order (per group of 32 columns: the even
+   columns, then the odd ones) and are put back in order at the end. p, off: scratch of nc and
+   nc/G floats. */
+PINFER_CLONES
+static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int64_t m, float *y, int64_t c0,
+                      int64_t c1, float *restrict p, float *restrict off, float *restrict acc,
+                      float (*a)[MAX_D / G]) {
+    const int64_t d = f->d, nc = c1 - c0, ng = nc / G, g0 = c0 / G;
+    if (f->down_fmt == FMT_F16 || f->down_fmt == FMT_F32) {
+        memset(y + c0, 0, (size_t)nc * sizeof(float));
+        const int wide = f->down_fmt == FMT_F32;
+        for (int64_t k = 0; k < m; k++) {
+            const int64_t at = (int64_t)idx[k] * d + c0;
+            const float v = val[k];
+            float *restrict yo = y + c0;
+            if (wide)
+                for (int64_t i = 0; i < nc; i++) yo[i] += v * ((const float *)f->dn_q)[at + i];
+            else
+                for (int64_t i = 0; i < nc; i++) yo[i] += v * HALF(((const half_t *)f->dn_q)[at + i]);
+        }
+        return;
+    }
+    memset(p, 0, (size_t)nc * sizeof(float));
+    memset(off, 0, (size_t)ng * sizeof(float));
+    if (f->down_fmt == FMT_Q4) {
+        for (int64_t k = 0; k < m; k += AXPY_ROWS) {
+            const int R = m - k < AXPY_ROWS ? (int)(m - k) : AXPY_ROWS;
+            const uint8_t *q[AXPY_ROWS];
+            for (int r = 0; r < R; r++) {
+                const int64_t j = idx[k + r];
+                const half_t *sc = (const half_t *)f->dn_scale + j * (d / G) + g0;
+                const half_t *mn = f->dn_min ? (const half_t *)f->dn_min + j * (d / G) + g0 : NULL;
+                const float v = val[k + r];
+                q[r] = (const uint8_t *)f->dn_q + j * (d / 2) + c0 / 2;
+                for (int64_t g = 0; g < ng; g++) a[r][g] = v * HALF(sc[g]);
+                if (mn)
+                    for (int64_t g = 0; g < ng; g++) off[g] += v * HALF(mn[g]);
+                else
+                    for (int64_t g = 0; g < ng; g++) off[g] += -8.0f * a[r][g];
+            }
+            axpy_q4(p, q, (const float (*)[MAX_D / G])a, R, ng);
+        }
+        for (int64_t g = 0; g < ng; g++)
+            for (int e = 0; e < 16; e++) {
+                y[c0 + g * G + 2 * e] = p[g * G + e] + off[g];
+                y[c0 + g * G + 2 * e + 1] = p[g * G + 16 + e] + off[g];
+            }
+        return;
+    }
+    /* FMT_Q4R: survivors of one group of 32 neurons share the per-column scale and min: sum their
+       rows unscaled in acc, then scale once per group */
+    for (int64_t k = 0; k < m;) {
+        const int64_t grp = idx[k] / G;
+        memset(acc, 0, (size_t)nc * sizeof(float));
+        float vsum = 0.0f;
+        int64_t k1 = k;
+        while (k1 < m && idx[k1] / G == grp) {
+            const uint8_t *q[AXPY_ROWS];
+            int R = 0;
+            for (; R < AXPY_ROWS && k1 < m && idx[k1] / G == grp; R++, k1++) {
+                q[R] = (const uint8_t *)f->dn_q + (int64_t)idx[k1] * (d / 2) + c0 / 2;
+                for (int64_t g = 0; g < ng; g++) a[R][g] = val[k1];
+                vsum += val[k1];
+            }
+            axpy_q4(acc, q, (const float (*)[MAX_D / G])a, R, ng);
+        }
+        const half_t *sc = (const half_t *)f->dn_scale + grp * d + c0;
+        const half_t *mn = f->dn_min ? (const half_t *)f->dn_min + grp * d + c0 : NULL;
+        for (int64_t g = 0; g < ng; g++)
+            for (int e = 0; e < 16; e++) {
+                const float s0 = HALF(sc[g * G + 2 * e]), s1 = HALF(sc[g * G + 2 * e + 1]);
+                const float o0 = mn ? HALF(mn[g * G + 2 * e]) : -8.0f * s0;
+                const float o1 = mn ? HALF(mn[g * G + 2 * e + 1]) : -8.0f * s1;
+                p[g * G + e] += s0 * acc[g * G + e] + o0 * vsum;
+                p[g * G + 16 + e] += s1 * acc[g * G + 16 + e] + o1 * vsum;
+            }
+        k = k1;
+    }
+    for (int64_t g = 0; g < ng; g++)
+        for (int e = 0; e < 16; e++) {
+            y[c0 + g * G + 2 * e] = p[g * G + e];
+            y[c0 + g * G + 2 * e + 1] = p[g * G + 16 + e];
+        }
+}
+
+/* One token's FFN: y = down(rule(act(gate) * up)) over the neurons the mode computes.
+ *   mode      MODE_DENSE: every neuron, no rule; MODE_DOWN: every neuron, |h| >= thr;
+ *             MODE_PREDICTED: the predictor's candidates (score >= pred_thr), |h| >= thr;
+ *             MODE_RELU: the predictor's candidates, h != 0
+ *             MODE_GIVEN: the counts[0] candidates the caller put in idx (ascending), |h| >= thr
+ *   counts    out: [candidates, survivors]
+ * Returns 0, or -1 when a size is unsupported. */
+int pinfer_ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint16_t *gu_scale,
+                     const uint16_t *gu_min, int down_fmt, const void *dn_q, const uint16_t *dn_scale,
+                     const uint16_t *dn_min, const uint8_t *w1q, const uint16_t *w1s, const uint8_t *w2q,
+                     const uint16_t *w2s, const float *b2, int64_t r, float thr, float pred_thr,
+                     const float *x, float *y, int64_t n, int64_t d, int32_t *idx, float *val,
+                     int64_t *counts, int threads) {
+    if (d % G || n % G || d > MAX_D || r % G) return -1;
+    if (isa < 0) pinfer_sparse_isa(-1);
+    const ffn_t f = {gu_fmt, down_fmt, act, gu_q, gu_scale, gu_min, dn_q, dn_scale, dn_min, n, d};
+    /* quantized x: d bytes, then d/G scales, d/8 lane scales, d/G sums */
+    float *buf = malloc((size_t)d + (size_t)(d / G * 2 + d / 8) * sizeof(float) + (size_t)r * sizeof(float));
+    if (!buf) return -1;
+    qx_t qx = {(int8_t *)(buf + d / G * 2 + d / 8 + r), buf, buf + d / G, buf + d / G + d / 8};
+    float *z = buf + d / G * 2 + d / 8;     /* (r) predictor hidden */
+    if (gu_fmt == FMT_Q4) quantize_x(x, d, &qx);
+
+    /* candidates */
+    int64_t m = 0;
+    if (mode == MODE_PREDICTED || mode == MODE_RELU) {
+        float *score = val; /* scratch until the survivors overwrite it */
+        FOR_THREADS(threads, k, r, {
+            const float v = dot_q8(w1q + k * d, w1s + k * (d / G), x, d);
+            z[k] = v > 0.0f ? v : 0.0f;
+        });
+        FOR_THREADS(threads, j, n, { score[j] = dot_q8(w2q + j * r, w2s + j * (r / G), z, r) + b2[j]; });
+        for (int64_t j = 0; j < n; j++)
+            if (score[j] >= pred_thr) idx[m++] = (int32_t)j;
+    } else if (mode == MODE_GIVEN) {
+        m = counts[0] < n ? counts[0] : n;
+    } else {
+        for (int64_t j = 0; j < n; j++) idx[j] = (int32_t)j;
+        m = n;
+    }
+    counts[0] = m;
+
+    /* gate/up and the rule, then compaction in ascending order */
+    FOR_THREADS(threads, k, m, { val[k] = neuron(&f, idx[k], x, &qx, mode, thr); });
+    int64_t s = 0;
+    for (int64_t k = 0; k < m; k++)
+        if (val[k] != 0.0f) {
+            idx[s] = idx[k];
+            val[s++] = val[k];
+        }
+    counts[1] = s;
+
+    /* down: column chunks of whole groups, one thread each */
+    const int64_t ng = d / G, per = (ng + threads - 1) / threads;
+    FOR_THREADS(threads, t, threads, {
+        const int64_t g0 = t * per, g1 = g0 + per < ng ? g0 + per : ng;
+        if (g0 < g1) {
+            const int64_t nc = (g1 - g0) * G;
+            float *scratch = malloc((size_t)(2 * nc + nc / G + AXPY_ROWS * (MAX_D / G)) * sizeof(float));
+            if (scratch)
+                down_cols(&f, idx, val, s, y, g0 * G, g1 * G, scratch, scratch + 2 * nc, scratch + nc,
+                          (float (*)[MAX_D / G])(scratch + 2 * nc + nc / G));
+            else memset(y + g0 * G, 0xff, (size_t)nc * sizeof(float));  /* NaN: never silently wrong */
+        }
+    });
+    free(buf);
+    return 0;
+}
+
+/* The same call with its arguments in one struct, bound once by the caller: a call through ctypes
+   then costs one pointer instead of 26 conversions. */
+typedef struct {
+    int mode, act, gu_fmt, down_fmt;
+    const void *gu_q;
+    const uint16_t *gu_scale, *gu_min;
+    const void *dn_q;
+    const uint16_t *dn_scale, *dn_min;
+    const uint8_t *w1q;
+    const uint16_t *w1s;
+    const uint8_t *w2q;
+    const uint16_t *w2s;
+    const float *b2;
+    int64_t r;
+    float thr, pred_thr;
+    const float *x;
+    float *y;
+    int64_t n, d;
+    int32_t *idx;
+    float *val;
+    int64_t *counts;
+    int threads;
+} ffn_call_t;
+
+int pinfer_ffn_call(const ffn_call_t *a) {
+    return pinfer_ffn_token(a->mode, a->act, a->gu_fmt, a->gu_q, a->gu_scale, a->gu_min, a->down_fmt, a->dn_q,
+                            a->dn_scale, a->dn_min, a->w1q, a->w1s, a->w2q, a->w2s, a->b2, a->r, a->thr,
+                            a->pred_thr, a->x, a->y, a->n, a->d, a->idx, a->val, a->counts, a->threads);
+}

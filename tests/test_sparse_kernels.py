@@ -1,0 +1,187 @@
+"""pinfer's sparse FFN kernel (kernels/csrc/ffn_sparse.c) against a NumPy reference on the same
+block-format weights: every gate/up and down format, every mode, each instruction set this CPU
+has, odd sizes, empty and full active sets, and the same bits at any thread count."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from pinfer.formats import blocks
+from pinfer.kernels import ISAS, SparseFFN, sparse_isa
+
+RNG = np.random.default_rng(7)
+BEST = sparse_isa()
+AVAILABLE = ISAS[:ISAS.index(BEST) + 1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_isa():
+    yield
+    sparse_isa(BEST)
+
+
+def gate_up(fmt, n, d):
+    """(format, parts (n, 2, ...), dense gate (n, d), dense up (n, d))."""
+    w = RNG.standard_normal((2 * n, d)).astype(np.float32) * 0.2
+    base = "q4" if fmt.startswith("q4") else fmt
+    parts = blocks.quantize(base, w)
+    if fmt == "q4-nomin":
+        parts = {"q": parts["q"], "scale": parts["scale"]}
+    dense = blocks.dequantize(base, parts)
+    return base, {k: v.reshape(n, 2, -1) for k, v in parts.items()}, dense[0::2], dense[1::2]
+
+
+def down(fmt, n, d):
+    """(format, parts, dense W (n, d)) of down_t."""
+    w = RNG.standard_normal((d, n)).astype(np.float32) * 0.2   # W_down as GGUF stores it
+    if fmt.startswith("q4r"):
+        qt = Q.Q4_0 if fmt == "q4r-nomin" else Q.Q4_1
+        f, parts = blocks.from_gguf_transposed(qt, quants.quantize(w, qt), d, n)
+        return f, parts, blocks.dequantize(f, parts)
+    base = "q4" if fmt.startswith("q4") else fmt
+    parts = blocks.quantize(base, w.T.copy())
+    if fmt == "q4-nomin":
+        parts = {"q": parts["q"], "scale": parts["scale"]}
+    return base, parts, blocks.dequantize(base, parts)
+
+
+def predictor(n, d, r):
+    w1 = blocks.quantize("q8", RNG.standard_normal((r, d)).astype(np.float32) * 0.3)
+    w2 = blocks.quantize("q8", RNG.standard_normal((n, r)).astype(np.float32) * 0.3)
+    b2 = RNG.standard_normal(n).astype(np.float32) * 0.1
+    return w1, w2, b2
+
+
+def quantized_x(x):
+    """x as the kernel sees it against int4 rows: int8 per group of 32, scale amax/127."""
+    g = x.reshape(-1, 32)
+    s = (np.abs(g).max(1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), s, out=np.zeros_like(s), where=s > 0)
+    return (np.rint(g * inv[:, None]) * s[:, None]).reshape(-1).astype(np.float64)
+
+
+def reference(gu_fmt, G_, U_, W, x, act, mode, thr, cand):
+    """(y, survivors) in float64; cand: candidate neurons or None for all."""
+    xe = quantized_x(x) if gu_fmt == "q4" else x.astype(np.float64)
+    g, u = G_ @ xe, U_ @ xe
+    a = np.maximum(g, 0) if act == "relu" else g / (1 + np.exp(-g))
+    h = a * u
+    keep = np.ones(len(h), bool) if cand is None else np.isin(np.arange(len(h)), cand)
+    if mode in ("down", "predicted"):
+        keep &= np.abs(h) >= thr
+    keep &= h != 0
+    return (h * keep) @ W.astype(np.float64), np.flatnonzero(keep), h
+
+
+def gap_threshold(values, q):
+    """A threshold between two well-separated values near the q quantile, so that float rounding
+    in the kernel cannot move a neuron across it."""
+    v = np.sort(values)
+    k = int(q * (len(v) - 1))
+    gaps = np.diff(v[max(0, k - 8):k + 8])
+    i = max(0, k - 8) + int(np.argmax(gaps))
+    return float((v[i] + v[i + 1]) / 2)
+
+
+def scores(pred, x):
+    w1, w2, b2 = pred
+    z = np.maximum(blocks.dequantize("q8", w1).astype(np.float64) @ x, 0)
+    return blocks.dequantize("q8", w2).astype(np.float64) @ z + b2
+
+
+CASES = [("q4", "q4r"), ("q4", "q4"), ("q4-nomin", "q4r-nomin"), ("q4", "q4-nomin"), ("f16", "f16"),
+         ("q4-nomin", "f16"), ("f16", "q4r"), ("f32", "f32")]
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+@pytest.mark.parametrize("gu_fmt, dn_fmt", CASES)
+@pytest.mark.parametrize("mode, act", [("dense", "silu"), ("down", "silu"), ("predicted", "silu"),
+                                       ("relu", "relu"), ("dense", "relu")])
+@pytest.mark.parametrize("n, d", [(96, 96), (64, 160), (128, 288)])
+def test_sparse_ffn_matches_numpy(isa, gu_fmt, dn_fmt, mode, act, n, d):
+    sparse_isa(isa)
+    gf, gparts, G_, U_ = gate_up(gu_fmt, n, d)
+    df, dparts, W = down(dn_fmt, n, d)
+    pred = predictor(n, d, 32)
+    x = RNG.standard_normal(d).astype(np.float32)
+    s = scores(pred, x)
+    pred_thr = gap_threshold(s, 0.4)
+    cand = np.flatnonzero(s >= pred_thr) if mode in ("predicted", "relu") else None
+    _, _, h = reference(gf, G_, U_, W, x, act, "dense", 0, None)
+    thr = gap_threshold(np.abs(h), 0.3)
+    want, keep, _ = reference(gf, G_, U_, W, x, act, mode, thr, cand)
+
+    ffn = SparseFFN((gf, gparts), (df, dparts), n, d, act=act, predictor=pred)
+    outs = []
+    for threads in (1, 2, 3):
+        ffn.threads = threads
+        y = np.full(d, np.nan, np.float32)
+        counts = ffn(x, y, mode, thr, pred_thr)
+        outs.append(y)
+        idx, _ = ffn.survivors()
+        assert counts == (n if cand is None else len(cand), len(keep))
+        assert np.array_equal(idx, keep)
+    scale = np.abs(want).max() + 1e-6
+    np.testing.assert_allclose(outs[0], want, rtol=0, atol=2e-4 * scale)
+    for y in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0])
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_empty_and_full_candidate_sets(isa):
+    sparse_isa(isa)
+    n, d = 64, 96
+    gf, gparts, G_, U_ = gate_up("q4", n, d)
+    df, dparts, W = down("q4r", n, d)
+    ffn = SparseFFN((gf, gparts), (df, dparts), n, d, predictor=predictor(n, d, 64))
+    x = RNG.standard_normal(d).astype(np.float32)
+    y = np.full(d, np.nan, np.float32)
+    assert ffn(x, y, "predicted", 0.0, np.inf) == (0, 0)
+    assert not y.any()
+    assert ffn(x, y, "predicted", 0.0, -np.inf)[0] == n
+    dense = np.empty(d, np.float32)
+    ffn(x, dense, "dense")
+    np.testing.assert_array_equal(y, dense)       # every candidate, threshold 0: dense
+    assert ffn(x, y, "given", candidates=np.arange(n)) == (n, n)
+    np.testing.assert_array_equal(y, dense)
+    assert ffn(x, y, "given", candidates=[]) == (0, 0) and not y.any()
+    some = np.array([3, 17, 40, 63])
+    ffn(x, y, "given", candidates=some)
+    want, _, _ = reference(gf, G_, U_, W, x, "silu", "dense", 0, some)
+    np.testing.assert_allclose(y, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="ascending distinct"):
+        ffn(x, y, "given", candidates=[5, 3])
+
+
+def test_int8_dot_products_agree_across_instruction_sets():
+    """The integer group sums are exact on every path; only the float combination may differ."""
+    n, d = 64, 4096 + 96          # a chunk tail of three groups
+    gf, gparts, G_, U_ = gate_up("q4", n, d)
+    df, dparts, W = down("q4", n, d)
+    ffn = SparseFFN((gf, gparts), (df, dparts), n, d)
+    x = RNG.standard_normal(d).astype(np.float32)
+    outs = {}
+    for isa in AVAILABLE:
+        sparse_isa(isa)
+        outs[isa] = np.empty(d, np.float32)
+        ffn(x, outs[isa], "dense")
+    for isa in AVAILABLE[1:]:
+        np.testing.assert_allclose(outs[isa], outs["portable"], rtol=0, atol=1e-5 * np.abs(outs["portable"]).max())
+
+
+def test_bad_input_is_refused_with_a_sentence():
+    n, d = 64, 96
+    gf, gparts, _, _ = gate_up("q4", n, d)
+    df, dparts, _ = down("q4r", n, d)
+    with pytest.raises(ValueError, match="not q8"):
+        SparseFFN(("q8", gparts), (df, dparts), n, d)
+    with pytest.raises(ValueError, match="scale missing"):
+        SparseFFN((gf, {"q": gparts["q"]}), (df, dparts), n, d)
+    with pytest.raises(ValueError, match="gate_up.q: expected"):
+        SparseFFN((gf, gparts), (df, dparts), n, 128)
+    ffn = SparseFFN((gf, gparts), (df, dparts), n, d)
+    with pytest.raises(ValueError, match="needs a predictor"):
+        ffn(np.zeros(d, np.float32), np.zeros(d, np.float32), "predicted")
+    with pytest.raises(ValueError, match="not 96 float32"):
+        ffn(np.zeros(d, np.float64), np.zeros(d, np.float32))
