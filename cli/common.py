@@ -43,6 +43,9 @@ def runtime_options(f):
                      help="Override the file's per-layer FFN modes: dense, down:S, predicted:R or relu:R "
                           "(values the converter calibrated; see pinfer inspect).")(f)
     f = click.option("--dense", is_flag=True, help="Compute every FFN neuron (same as --sparsity dense).")(f)
+    f = click.option("--ffn-kernel", is_flag=True,
+                     help="Decode sparse layers with pinfer's fused FFN kernel (benchmarks/sparse_decode.py "
+                          "measures whether it beats the default path on your model and CPU).")(f)
     return f
 
 
@@ -50,7 +53,8 @@ def runtime_config(kw):
     from pinfer.runtime.model import RuntimeOptions
 
     return RuntimeOptions(n_ctx=kw["n_ctx"], threads=kw["threads"],
-                          sparsity="dense" if kw.get("dense") else kw.get("sparsity", ""))
+                          sparsity="dense" if kw.get("dense") else kw.get("sparsity", ""),
+                          kernels=bool(kw.get("ffn_kernel")))
 
 
 def sampling_options(f):

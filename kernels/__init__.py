@@ -97,7 +97,7 @@ _GATE_UP_FORMATS = {
     "f16": (3, {"w": (np.float16, lambda n, d: (n, 2, d))}),
     "f32": (4, {"w": (np.float32, lambda n, d: (n, 2, d))}),
 }
-_SPARSE_DOWN = ("q4", "q4r", "f16", "f32")
+_SPARSE_DOWN = ("q8", "q4", "q4r", "f16", "f32")
 
 
 class _Call(ctypes.Structure):

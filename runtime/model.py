@@ -30,7 +30,9 @@ class RuntimeOptions:
     threads: int = 0        # 0: all cores
     verbose: bool = False
     sparsity: str = ""      # "": each layer's mode from the file; else dense | down:S | predicted:R | relu:R
-    kernels: bool = True    # decode sparse layers with pinfer's fused FFN kernel (False: the NumPy rules)
+    # Decode sparse layers with pinfer's fused FFN kernel instead of the ONNX graph + NumPy rule.
+    # Off by default: on SmolLM2 it decodes slower than that path (benchmarks/sparse_decode.py).
+    kernels: bool = False
 
 
 DEFAULT_CTX = 4096

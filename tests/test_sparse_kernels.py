@@ -91,7 +91,7 @@ def scores(pred, x):
 
 
 CASES = [("q4", "q4r"), ("q4", "q4"), ("q4-nomin", "q4r-nomin"), ("q4", "q4-nomin"), ("f16", "f16"),
-         ("q4-nomin", "f16"), ("f16", "q4r"), ("f32", "f32")]
+         ("q4-nomin", "f16"), ("f16", "q4r"), ("f32", "f32"), ("q4", "q8")]
 
 
 @pytest.mark.parametrize("isa", AVAILABLE)

@@ -12,6 +12,7 @@
  *   down_t   FMT_Q4   q u8 (n, d/2), scale f16 (n, d/G), min f16 (n, d/G) or none (groups along d)
  *            FMT_Q4R  q u8 (n, d/2), scale f16 (n/G, d), min f16 (n/G, d) or none (groups of
  *                     32 neurons, GGUF's layout)
+ *            FMT_Q8   q u8 (n, d) (q + 128), scale f16 (n, d/G) (groups along d)
  *            FMT_F16  w f16 (n, d); FMT_F32  w f32 (n, d)
  *   predictor  w1 q8: q u8 (r, d), scale f16 (r, d/G); w2 q8: q u8 (n, r), scale f16 (n, r/G);
  *              b2 f32 (n); q8 stores q + 128; scores = w2 relu(w1 x) + b2
@@ -58,7 +59,7 @@
         }                                                                                       \
     } while (0)
 
-enum { FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };    /* as in ffn_down.c */
+enum { FMT_Q8 = 0, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };    /* as in ffn_down.c */
 enum { MODE_DENSE = 0, MODE_DOWN = 1, MODE_PREDICTED = 2, MODE_RELU = 3, MODE_GIVEN = 4 };
 enum { ACT_SILU = 0, ACT_RELU = 1 };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -150,49 +151,6 @@ static float dot_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16
                                _mm512_maskz_loadu_ps(m, x->sum + g), macc);
     }
     return _mm512_reduce_add_ps(acc) + (min ? 1.0f : -8.0f) * _mm512_reduce_add_ps(macc);
-}
-
-/* Gate and up rows of one neuron together (q: gate row then up row; scale, min: the gate's ng
-   values then the up's): the activations are loaded once for both. out = {gate . x, up . x}. */
-__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c")))
-static void pair_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d,
-                           float *out) {
-    const int64_t ng = d / G, half = d / 2;
-    const __m512i low4 = _mm512_set1_epi8(15);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 ag = _mm512_setzero_ps(), au = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; g += 4) {
-        const int64_t k = ng - g < 4 ? ng - g : 4;
-        const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
-        const __mmask16 m4 = (__mmask16)((1u << (4 * k)) - 1);
-        const __mmask8 m1 = (__mmask8)((1u << k) - 1);
-        const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + g * G);
-        const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + g * G + 16 * k);
-        const __m512 lanes = _mm512_maskz_loadu_ps(m4, x->lanes + 4 * g);
-        const __m512i vg = _mm512_maskz_loadu_epi8(m, q + g * 16);
-        const __m512i vu = _mm512_maskz_loadu_epi8(m, q + half + g * 16);
-        __m512i sg = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(vg, low4), xe);
-        __m512i su = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(vu, low4), xe);
-        sg = _mm512_dpbusd_epi32(sg, _mm512_and_si512(_mm512_srli_epi16(vg, 4), low4), xo);
-        su = _mm512_dpbusd_epi32(su, _mm512_and_si512(_mm512_srli_epi16(vu, 4), low4), xo);
-        const __m512 wg = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_castsi128_si256(
-            _mm_maskz_loadu_epi16(m1, scale + g))));
-        const __m512 wu = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_castsi128_si256(
-            _mm_maskz_loadu_epi16(m1, scale + ng + g))));
-        ag = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sg), _mm512_mul_ps(wg, lanes), ag);
-        au = _mm512_fmadd_ps(_mm512_cvtepi32_ps(su), _mm512_mul_ps(wu, lanes), au);
-    }
-    const uint16_t *mn = min ? min : scale;
-    __m512 mg = _mm512_setzero_ps(), mu = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; g += 16) {
-        const __mmask16 m = ng - g >= 16 ? 0xffff : (__mmask16)((1u << (ng - g)) - 1);
-        const __m512 xs = _mm512_maskz_loadu_ps(m, x->sum + g);
-        mg = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mn + g)), xs, mg);
-        mu = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mn + ng + g)), xs, mu);
-    }
-    const float k = min ? 1.0f : -8.0f;
-    out[0] = _mm512_reduce_add_ps(ag) + k * _mm512_reduce_add_ps(mg);
-    out[1] = _mm512_reduce_add_ps(au) + k * _mm512_reduce_add_ps(mu);
 }
 
 __attribute__((target("avx2,fma,f16c")))
@@ -354,13 +312,6 @@ static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, i
         const uint8_t *q = (const uint8_t *)f->gu_q + j * d; /* 2 rows of d/2 bytes */
         const int64_t ng = d / G;
         const uint16_t *sc = f->gu_scale + j * 2 * ng, *mn = f->gu_min ? f->gu_min + j * 2 * ng : NULL;
-#ifdef PINFER_X86
-        if (isa == ISA_AVX512 && f->act != ACT_RELU) {
-            float gu[2];
-            pair_q4_avx512(q, sc, mn, qx, d, gu);
-            return rule(f->act, gu[0], gu[1], mode, thr);
-        }
-#endif
         g = dot_q4(q, sc, mn, qx, d);
         if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
         u = dot_q4(q + d / 2, sc + ng, mn ? mn + ng : NULL, qx, d);
@@ -410,6 +361,86 @@ static void axpy_q4(float *p, const uint8_t *const *q, const float (*a)[MAX_D / 
     axpy_q4_portable(p, q, a, R, ng);
 }
 
+/* q4 row of weight v: a[g] = v * scale[g], off[g] += v * min[g] (or -8 * a[g] without min). */
+#ifdef PINFER_X86
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+static void row_scales_avx512(float *a, float *off, const uint16_t *sc, const uint16_t *mn, float v, int64_t ng) {
+    const __m512 vv = _mm512_set1_ps(v), m8 = _mm512_set1_ps(-8.0f);
+    for (int64_t g = 0; g < ng; g += 16) {
+        const __mmask16 m = ng - g >= 16 ? 0xffff : (__mmask16)((1u << (ng - g)) - 1);
+        const __m512 ag = _mm512_mul_ps(vv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g)));
+        _mm512_mask_storeu_ps(a + g, m, ag);
+        const __m512 o = mn ? _mm512_mul_ps(vv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mn + g)))
+                            : _mm512_mul_ps(m8, ag);
+        _mm512_mask_storeu_ps(off + g, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, off + g), o));
+    }
+}
+#endif
+
+static void row_scales(float *a, float *off, const uint16_t *sc16, const uint16_t *mn16, float v, int64_t ng) {
+#ifdef PINFER_X86
+    if (isa == ISA_AVX512) {
+        row_scales_avx512(a, off, sc16, mn16, v, ng);
+        return;
+    }
+#endif
+    const half_t *sc = (const half_t *)sc16, *mn = (const half_t *)mn16;
+    for (int64_t g = 0; g < ng; g++) a[g] = v * HALF(sc[g]);
+    if (mn)
+        for (int64_t g = 0; g < ng; g++) off[g] += v * HALF(mn[g]);
+    else
+        for (int64_t g = 0; g < ng; g++) off[g] += -8.0f * a[g];
+}
+
+/* q4r: p += scale * acc + offset * vsum per column, acc and p in nibble order, the scales and
+   mins (f16, columns in order) of one group of 32 neurons; offset = min, or -8 * scale. */
+#ifdef PINFER_X86
+__attribute__((target("avx512f,avx512bw,f16c")))
+static void scale_group_avx512(float *p, const float *acc, const uint16_t *sc, const uint16_t *mn, float vsum,
+                               int64_t ng) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512 vs = _mm512_set1_ps(vsum), m8 = _mm512_set1_ps(-8.0f);
+    for (int64_t g = 0; g < ng; g++) {
+        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + G * g)));
+        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + G * g + 16)));
+        const __m512 se = _mm512_permutex2var_ps(s0, even, s1), so = _mm512_permutex2var_ps(s0, odd, s1);
+        __m512 oe = _mm512_mul_ps(se, m8), oo = _mm512_mul_ps(so, m8);
+        if (mn) {
+            const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + G * g)));
+            const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + G * g + 16)));
+            oe = _mm512_permutex2var_ps(m0, even, m1);
+            oo = _mm512_permutex2var_ps(m0, odd, m1);
+        }
+        float *pg = p + G * g;
+        const float *ag = acc + G * g;
+        _mm512_storeu_ps(pg, _mm512_add_ps(_mm512_loadu_ps(pg),
+                                           _mm512_fmadd_ps(se, _mm512_loadu_ps(ag), _mm512_mul_ps(oe, vs))));
+        _mm512_storeu_ps(pg + 16, _mm512_add_ps(_mm512_loadu_ps(pg + 16),
+                                                _mm512_fmadd_ps(so, _mm512_loadu_ps(ag + 16), _mm512_mul_ps(oo, vs))));
+    }
+}
+#endif
+
+static void scale_group(float *p, const float *acc, const uint16_t *sc16, const uint16_t *mn16, float vsum,
+                        int64_t ng) {
+#ifdef PINFER_X86
+    if (isa == ISA_AVX512) {
+        scale_group_avx512(p, acc, sc16, mn16, vsum, ng);
+        return;
+    }
+#endif
+    const half_t *sc = (const half_t *)sc16, *mn = (const half_t *)mn16;
+    for (int64_t g = 0; g < ng; g++)
+        for (int e = 0; e < 16; e++) {
+            const float s0 = HALF(sc[g * G + 2 * e]), s1 = HALF(sc[g * G + 2 * e + 1]);
+            const float o0 = mn ? HALF(mn[g * G + 2 * e]) : -8.0f * s0;
+            const float o1 = mn ? HALF(mn[g * G + 2 * e + 1]) : -8.0f * s1;
+            p[g * G + e] += s0 * acc[g * G + e] + o0 * vsum;
+            p[g * G + 16 + e] += s1 * acc[g * G + 16 + e] + o1 * vsum;
+        }
+}
+
 /* y[c0, c1) = sum over survivors k of val[k] * row idx[k] of down_t, in ascending k. Rows stream
    whole (axpy order); q4 rows land in `p` in the nibbles' order (per group of 32 columns: the even
    columns, then the odd ones) and are put back in order at the end. p, off: scratch of nc and
@@ -435,6 +466,21 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
     }
     memset(p, 0, (size_t)nc * sizeof(float));
     memset(off, 0, (size_t)ng * sizeof(float));
+    if (f->down_fmt == FMT_Q8) {
+        memset(y + c0, 0, (size_t)nc * sizeof(float));
+        for (int64_t k = 0; k < m; k++) {
+            const int64_t j = idx[k];
+            const uint8_t *restrict q = (const uint8_t *)f->dn_q + j * d + c0;
+            const half_t *sc = (const half_t *)f->dn_scale + j * (d / G) + g0;
+            const float v = val[k];
+            for (int64_t g = 0; g < ng; g++) {
+                const float a = v * HALF(sc[g]);
+                float *restrict yo = y + c0 + g * G;
+                for (int e = 0; e < G; e++) yo[e] += a * (float)((int)q[g * G + e] - 128);
+            }
+        }
+        return;
+    }
     if (f->down_fmt == FMT_Q4) {
         for (int64_t k = 0; k < m; k += AXPY_ROWS) {
             const int R = m - k < AXPY_ROWS ? (int)(m - k) : AXPY_ROWS;
@@ -445,11 +491,7 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
                 const half_t *mn = f->dn_min ? (const half_t *)f->dn_min + j * (d / G) + g0 : NULL;
                 const float v = val[k + r];
                 q[r] = (const uint8_t *)f->dn_q + j * (d / 2) + c0 / 2;
-                for (int64_t g = 0; g < ng; g++) a[r][g] = v * HALF(sc[g]);
-                if (mn)
-                    for (int64_t g = 0; g < ng; g++) off[g] += v * HALF(mn[g]);
-                else
-                    for (int64_t g = 0; g < ng; g++) off[g] += -8.0f * a[r][g];
+                row_scales(a[r], off, (const uint16_t *)sc, (const uint16_t *)mn, v, ng);
             }
             axpy_q4(p, q, (const float (*)[MAX_D / G])a, R, ng);
         }
@@ -477,16 +519,7 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
             }
             axpy_q4(acc, q, (const float (*)[MAX_D / G])a, R, ng);
         }
-        const half_t *sc = (const half_t *)f->dn_scale + grp * d + c0;
-        const half_t *mn = f->dn_min ? (const half_t *)f->dn_min + grp * d + c0 : NULL;
-        for (int64_t g = 0; g < ng; g++)
-            for (int e = 0; e < 16; e++) {
-                const float s0 = HALF(sc[g * G + 2 * e]), s1 = HALF(sc[g * G + 2 * e + 1]);
-                const float o0 = mn ? HALF(mn[g * G + 2 * e]) : -8.0f * s0;
-                const float o1 = mn ? HALF(mn[g * G + 2 * e + 1]) : -8.0f * s1;
-                p[g * G + e] += s0 * acc[g * G + e] + o0 * vsum;
-                p[g * G + 16 + e] += s1 * acc[g * G + 16 + e] + o1 * vsum;
-            }
+        scale_group(p, acc, f->dn_scale + grp * d + c0, f->dn_min ? f->dn_min + grp * d + c0 : NULL, vsum, ng);
         k = k1;
     }
     for (int64_t g = 0; g < ng; g++)
