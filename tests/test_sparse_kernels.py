@@ -185,3 +185,22 @@ def test_bad_input_is_refused_with_a_sentence():
         ffn(np.zeros(d, np.float32), np.zeros(d, np.float32), "predicted")
     with pytest.raises(ValueError, match="not 96 float32"):
         ffn(np.zeros(d, np.float64), np.zeros(d, np.float32))
+
+
+@pytest.mark.parametrize("gu_fmt, dn_fmt", [("q4", "q4r"), ("q4", "q4"), ("f16", "q8")])
+def test_threads_split_large_layers_without_changing_a_bit(gu_fmt, dn_fmt):
+    """Above about a million weights per pass the kernel uses its threads (smaller layers run on
+    one); the split must not change the result."""
+    n, d = 1088, 1024
+    gf, gparts, G_, U_ = gate_up(gu_fmt, n, d)
+    df, dparts, W = down(dn_fmt, n, d)
+    x = RNG.standard_normal(d).astype(np.float32)
+    outs = []
+    for threads in (1, 2, 3):
+        y = np.empty(d, np.float32)
+        assert SparseFFN((gf, gparts), (df, dparts), n, d, threads=threads)(x, y, "dense")[0] == n
+        outs.append(y)
+    want, _, _ = reference(gf, G_, U_, W, x, "silu", "dense", 0, None)
+    np.testing.assert_allclose(outs[0], want, rtol=0, atol=2e-4 * np.abs(want).max())
+    for y in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0])

@@ -46,6 +46,7 @@
 
 #define G 32
 #define MAX_D 65536
+#define PARALLEL_WORK (1 << 20)   /* weights a pass reads before it is worth a second thread */
 
 /* for (k = 0; k < n; k++) body, on `threads` OpenMP threads; one thread runs it inline (an
    OpenMP region with if(0) still costs microseconds, as much as a small layer's FFN). */
@@ -572,7 +573,9 @@ int pinfer_ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint
     counts[0] = m;
 
     /* gate/up and the rule, then compaction in ascending order */
-    FOR_THREADS(threads, k, m, { val[k] = neuron(&f, idx[k], x, &qx, mode, thr); });
+    /* waking a thread costs tens of microseconds: below ~1M weights a pass runs on one */
+    const int t_gu = m * d >= PARALLEL_WORK ? threads : 1;
+    FOR_THREADS(t_gu, k, m, { val[k] = neuron(&f, idx[k], x, &qx, mode, thr); });
     int64_t s = 0;
     for (int64_t k = 0; k < m; k++)
         if (val[k] != 0.0f) {
@@ -582,8 +585,9 @@ int pinfer_ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint
     counts[1] = s;
 
     /* down: column chunks of whole groups, one thread each */
-    const int64_t ng = d / G, per = (ng + threads - 1) / threads;
-    FOR_THREADS(threads, t, threads, {
+    const int t_dn = s * d >= PARALLEL_WORK ? threads : 1;
+    const int64_t ng = d / G, per = (ng + t_dn - 1) / t_dn;
+    FOR_THREADS(t_dn, t, t_dn, {
         const int64_t g0 = t * per, g1 = g0 + per < ng ? g0 + per : ng;
         if (g0 < g1) {
             const int64_t nc = (g1 - g0) * G;
