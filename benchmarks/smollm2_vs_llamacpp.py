@@ -1,7 +1,10 @@
 """Decode speed of pinfer against llama.cpp on the same GGUF, in one run, as ratios.
 
     python benchmarks/smollm2_vs_llamacpp.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
-        --llama-python .venv-llama/bin/python [--tokens 128] [--repeats 3]
+        --llama-python .venv-llama/bin/python [--pinf converted.pinf] [--tokens 128] [--repeats 3]
+
+pinfer runs `--pinf` (e.g. the default `pinfer convert` output, with its per-layer sparsity) or,
+without it, a dense conversion made on the spot (`--sparsity none`, seconds).
 
 llama.cpp runs through llama-cpp-python in its own environment (benchmarks/llamacpp_side.py);
 the two sides alternate, `--repeats` times per thread count, and the median of each is reported.
@@ -24,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from pinfer.converter.convert import ConvertOptions, convert
+from pinfer.converter.passes import DENSE
 from pinfer.runtime import bench
 from pinfer.runtime.model import Model, RuntimeOptions
 
@@ -90,14 +94,18 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--pinf", type=Path, default=None, help="a converted file of the same model to run")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        pinf = Path(tmp) / "m.pinf"
-        with contextlib.redirect_stderr(io.StringIO()):
-            convert(ConvertOptions(a.model, pinf))
+        pinf = a.pinf
+        if pinf is None:
+            pinf = Path(tmp) / "m.pinf"
+            with contextlib.redirect_stderr(io.StringIO()):
+                convert(ConvertOptions(a.model, pinf, passes=DENSE))
         rows = []
         for threads in [int(x) for x in a.threads.split(",")]:
             model = Model(pinf, RuntimeOptions(threads=threads, n_ctx=512))
+            modes = ", ".join(model.sparsity_names)
             pinfer_decode(model, 8)  # warm up
             ours, theirs = [], []
             for _ in range(a.repeats):
@@ -110,7 +118,8 @@ def main():
             t = statistics.median(theirs) if theirs else float("nan")
             rows.append((threads, o, t, o / t if theirs else float("nan"), nbytes / 1e6, nbytes * o / 1e9, py_us, step_us))
             del model
-    print(f"\nSmolLM2 decode, {a.tokens} tokens after a 5-token prompt, median of {a.repeats} alternating runs\n")
+    print(f"\nSmolLM2 decode, {a.tokens} tokens after a 5-token prompt, median of {a.repeats} alternating runs; "
+          f"pinfer runs {pinf.name if a.pinf else 'a dense conversion'} ({modes})\n")
     print("| threads | pinfer tok/s | llama.cpp tok/s | ratio | MB read/token | pinfer GB/s | Python µs/token (of µs) |")
     print("|---|---|---|---|---|---|---|")
     for th, o, t, r, mb, gbs, py_us, step_us in rows:

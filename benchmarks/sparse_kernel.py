@@ -27,19 +27,23 @@ SHAPES = {"smollm2": (576, 1536), "7b": (4096, 11008), "13b": (5120, 13824), "70
 FRACTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
 
 
-def random_layer(fmt, n, d, rng):
-    """(gate_up (fmt, parts), down_t (fmt, parts)) with values of a plausible scale."""
+def random_layer(fmt, n, d, rng, down="q4"):
+    """(gate_up (fmt, parts), down_t (fmt, parts)) with values of a plausible scale; down "q4r"
+    keeps GGUF's groups of 32 neurons (a converted Q4_0 model's down_t), "q4" groups along d."""
     if fmt == "f16":
         gu = {"w": (rng.standard_normal((n, 2, d), np.float32) * 0.02).astype(np.float16)}
         dn = {"w": (rng.standard_normal((n, d), np.float32) * 0.02).astype(np.float16)}
         return ("f16", gu), ("f16", dn)
     gu = {"q": rng.integers(0, 256, (n, 2, d // 2), np.uint8),
           "scale": np.full((n, 2, d // 32), 0.003, np.float16)}
+    if down == "q4r":
+        dn = {"q": rng.integers(0, 256, (n, d // 2), np.uint8), "scale": np.full((n // 32, d), 0.003, np.float16)}
+        return ("q4", gu), ("q4r", dn)
     dn = {"q": rng.integers(0, 256, (n, d // 2), np.uint8), "scale": np.full((n, d // 32), 0.003, np.float16)}
     return ("q4", gu), ("q4", dn)
 
 
-def ort_layer(gu, dn, n, d, threads):
+def ort_layer(gu, dn_fmt, dn, n, d, threads):
     """ONNX Runtime session of the same dense layer; the down weight is re-laid out (d, n) for
     MatMulNBits' [N, K] convention."""
     import onnxruntime as ort
@@ -47,7 +51,7 @@ def ort_layer(gu, dn, n, d, threads):
     from pinfer.formats import blocks
 
     # down_t rows j = column j of W_down; MatMulNBits wants rows i of W_down (d, n), groups along n
-    w_down = blocks.dequantize("q4", dn).T.copy()
+    w_down = blocks.dequantize(dn_fmt, dn).T.copy()
     g = w_down.reshape(d, n // 32, 32)
     scale = (np.abs(g).max(-1) / 7).astype(np.float16)
     inv = np.divide(1, scale.astype(np.float32), out=np.zeros(scale.shape, np.float32), where=scale != 0)
@@ -120,16 +124,18 @@ def main(argv=None):
     ap.add_argument("--formats", default="int4,fp16")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--down", choices=("q4", "q4r"), default="q4r",
+                    help="int4 down_t layout: q4r (GGUF's groups of 32 neurons) or q4 (groups along d_model)")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    print(f"sparse kernels: {sparse_isa()} path\n")
+    print(f"sparse kernels: {sparse_isa()} path; int4 down_t as {a.down}\n")
     print("| shape (d x n_ff) | format | threads | active | ms | GB/s | vs our dense | vs ORT MatMulNBits |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for shape in a.shapes.split(","):
         d, n = SHAPES[shape]
         for fmt_name in a.formats.split(","):
             fmt = "f16" if fmt_name == "fp16" else "q4"
-            gu, dn = random_layer(fmt, n, d, rng)
+            gu, dn = random_layer(fmt, n, d, rng, a.down)
             x = rng.standard_normal(d).astype(np.float32)
             y = np.empty(d, np.float32)
             per_neuron = 3 * row_bytes(fmt, d)
@@ -137,7 +143,7 @@ def main(argv=None):
                 ffn = SparseFFN(gu, dn, n, d, threads=threads)
                 ort_t = None
                 if fmt == "q4":
-                    run_ort = ort_layer(gu[1], dn[1], n, d, threads)
+                    run_ort = ort_layer(gu[1], dn[0], dn[1], n, d, threads)
                     ort_t = median_time(lambda: run_ort(x), a.reps)
                 dense_t = median_time(ffn.bind(x, y, "dense"), a.reps)
                 for frac in FRACTIONS:

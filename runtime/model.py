@@ -210,7 +210,12 @@ class Model:
         cold = S.FFN_DOWN_T_COLD.format(i)
         if cold not in r.header["weights"]:
             return DownProjection(hot_fmt, hot_parts, self.threads, cfg.n_ff, cfg.d_model)
-        hot = r.header["ffn"]["hot_rows"][i]
+        hot = (r.header.get("ffn", {}).get("hot_rows") or [None] * cfg.n_layer)[i:i + 1]
+        if not hot or not isinstance(hot[0], int) or not 0 < hot[0] < cfg.n_ff:
+            raise ValueError(f"layer {i}'s FFN is split in hot and cold rows but the header's ffn.hot_rows does "
+                             f"not say where (found {hot[0] if hot else None!r}, expected 1..{cfg.n_ff - 1}); "
+                             "convert the model again")
+        hot = hot[0]
         return SplitDown(DownProjection(hot_fmt, hot_parts, self.threads, hot, cfg.d_model),
                          DownProjection(*r.block(cold), self.threads, cfg.n_ff - hot, cfg.d_model))
 
