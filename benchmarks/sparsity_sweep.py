@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from pinfer.formats import PinfReader
-from pinfer.formats import schema as S
 from pinfer.runtime.bench import weight_bytes_per_token
 from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.perplexity import perplexity
@@ -26,10 +25,7 @@ DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikite
 
 
 def non_ffn_bytes(reader, cfg):
-    ffn = sum(e["nbytes"] for n, e in reader.tensors.items()
-              if any(n.startswith(t.format(i)) for i in range(cfg.n_layer)
-                     for t in (S.FFN_GATE_UP, S.FFN_DOWN_T, S.FFN_PRED_W1, S.FFN_PRED_W2, S.FFN_PRED_B2)))
-    return weight_bytes_per_token(reader, cfg) - ffn
+    return weight_bytes_per_token(reader, cfg, shares=(0.0, 0.0))     # no FFN rows, no predictors
 
 
 def main(argv=None):

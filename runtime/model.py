@@ -199,6 +199,13 @@ class Model:
         info = layers[layer] if layer < len(layers) else {}
         return Rule(info.get("mode", "dense"), float(info.get("value", 0.0)))
 
+    def weight_bytes_per_token(self):
+        """Weight bytes a decode step reads under the rules, from the rows counted since the last
+        counters.reset() (all rows before any call)."""
+        from .bench import weight_bytes_per_token
+        return weight_bytes_per_token(self.reader, self.cfg, self.counters.fractions(),
+                                      {i for i, r in enumerate(self.rules) if r.rule.mode in ("predicted", "relu")})
+
     @property
     def sparsity_names(self):
         """The distinct rules the layers run, e.g. ["down:0.3"]."""

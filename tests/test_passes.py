@@ -162,6 +162,27 @@ def test_kernel_decode_agrees_with_the_numpy_rules(silu_file, relu_files, which,
     assert abs(gu_a - gu_b) < 0.05 and abs(dn_a - dn_b) < 0.05, (gu_a, dn_a, gu_b, dn_b)
 
 
+def test_weight_bytes_per_token_follow_the_rows_read(silu_file):
+    """Decode's weight bytes: the dense tensors, the FFN rows the rules read, predictors only where
+    a rule runs them."""
+    _, path = silu_file
+    r = PinfReader(path)
+    size = lambda *bases: sum(e["nbytes"] for n, e in r.tensors.items()  # noqa: E731
+                              if any(n.startswith(b.format(i)) for b in bases for i in range(2)))
+    gate_up, down, pred = size(S.FFN_GATE_UP), size(S.FFN_DOWN_T), size(S.FFN_PRED_W1, S.FFN_PRED_W2, S.FFN_PRED_B2)
+    ids = _ids(Model(path, RuntimeOptions(sparsity="dense")), 16)
+    got = {}
+    for mode in ("dense", "down:0.5", "predicted:0.99"):
+        m = Model(path, RuntimeOptions(sparsity=mode))
+        m.forward(ids)
+        got[mode] = (m.weight_bytes_per_token(), m.counters.fractions())
+    dense = got["dense"][0]
+    _, (gu, dn) = got["down:0.5"]
+    assert gu == 1.0 and got["down:0.5"][0] == pytest.approx(dense - down * (1 - dn))
+    _, (gu, dn) = got["predicted:0.99"]
+    assert got["predicted:0.99"][0] == pytest.approx(dense - gate_up * (1 - gu) - down * (1 - dn) + pred)
+
+
 def test_bad_sparsity_and_calibration_input_get_one_sentence(silu_file, tmp_path):
     src, _ = silu_file
     for sparsity, msg in (("relu:0.99", "ReLU-family"), ("down:1.5", "between 0 and 1"), ("magic", "is not none")):
