@@ -1,4 +1,4 @@
-"""`pinfer convert MODEL.gguf`: one .pinf file from a GGUF model."""
+"""`pinfer convert MODEL.gguf|HF_FOLDER`: one .pinf file from a GGUF model or a Hugging Face folder."""
 
 from pathlib import Path
 
@@ -8,9 +8,9 @@ from .common import fail_cleanly, verbose
 
 
 @click.command("convert")
-@click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Output file (default: SOURCE with the suffix .pinf).")
+              help="Output file (default: SOURCE with the suffix .pinf; a folder gets FOLDER.pinf beside it).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--sparsity", default="auto", show_default=True, metavar="none|auto|MODE[:VALUE]",
               help="FFN sparsity: auto measures every mode and picks per layer the cheapest within "
@@ -36,7 +36,7 @@ from .common import fail_cleanly, verbose
 @click.pass_context
 def command(ctx, source, output, force, sparsity, max_ppl_increase, calib, calib_tokens, heldout_tokens,
             quant, order, target_vram, seed, no_verify, dry_run):
-    """Convert a GGUF model into a .pinf file."""
+    """Convert a GGUF model, or a Hugging Face folder (config.json, *.safetensors, tokenizer.json), into a .pinf file."""
     import signal
 
     from pinfer.converter.convert import ConvertOptions, convert

@@ -39,7 +39,7 @@ QUANTILE_SAMPLE = 1 << 20   # |h| values sampled per layer for the thresholds
 
 def points_for(cfg, extra=None):
     """The operating points measured for this model; `extra` (a Point) is added when missing."""
-    if cfg.ffn_act == "relu":
+    if cfg.exact_sparse:
         pts = [Point("dense")] + [Point("relu", r) for r in RELU_POINTS]
     else:
         pts = ([Point("dense")] + [Point("down", s) for s in DOWN_POINTS]
@@ -72,7 +72,7 @@ class CalibrationResult:
 
 
 def active_mask(cfg, hact, thresholds):
-    if cfg.ffn_act == "relu":
+    if cfg.exact_sparse:
         return hact != 0
     return hact.abs() > thresholds[PREDICTOR_SPARSITY]
 
@@ -95,7 +95,7 @@ def _forward_ffn(h, w, cfg, rotary):
     """Attention, then the FFN's input and hidden values, for one batch h (B, T, d)."""
     h1 = TL.attention(h, w, cfg, rotary)
     x = TL.ffn_input(h1, w, cfg)
-    return h1, x, TL.ffn_hidden(x, w, cfg)
+    return TL.ffn_residual(h1, w), x, TL.ffn_hidden(x, w, cfg)
 
 
 def _quantiles(values, qs, rng):
@@ -132,7 +132,7 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
             x_train, h_train = torch.cat(xs), torch.cat(habs)
             del xs, habs
             thresholds = _quantiles(h_train, list(SPARSITY_GRID), rng)
-            mask_train = (h_train > 0) if cfg.ffn_act == "relu" else h_train > thresholds[PREDICTOR_SPARSITY]
+            mask_train = (h_train > 0) if cfg.exact_sparse else h_train > thresholds[PREDICTOR_SPARSITY]
             freq = mask_train.float().mean(0).numpy()
             # the dense held-out stream gives the predictor its held-out tokens
             dense = [_forward_ffn(streams["dense"][b:b + BATCH_SEQS], w, cfg, rot)
@@ -179,7 +179,7 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
                 continue
             hs = streams[p.name][:, :-1].reshape(-1, cfg.d_model)
             nll[p.name] = float(head.nll(hs, targets).mean())
-        ref = TL.rms_norm(streams["dense"][0, :REFERENCE_TOKENS], head.norm, head.eps) @ head.w.T
+        ref = head.logits(streams["dense"][0, :REFERENCE_TOKENS])
     seconds["head"] = time.perf_counter() - t3
     return CalibrationResult(layers, nll, int(targets.numel()), seconds, ref.numpy())
 
@@ -221,7 +221,7 @@ def _fit_predictor(lc, cfg, x_train, mask_train, x_held, hact_held, ffn_bytes, b
     r_max = max(32, int((budget * ffn_bytes - 4 * n_ff) / per_rank) // 32 * 32)
     ranks = sorted({max(32, r_max // 2 // 32 * 32), r_max})
     habs = hact_held.abs()
-    active = (hact_held != 0) if cfg.ffn_act == "relu" else habs > lc.thresholds[PREDICTOR_SPARSITY]
+    active = (hact_held != 0) if cfg.exact_sparse else habs > lc.thresholds[PREDICTOR_SPARSITY]
     # thresholds from half of PREDICTOR_HELDOUT held-out tokens, quality from the other half
     habs, active, x_held = habs[:PREDICTOR_HELDOUT], active[:PREDICTOR_HELDOUT], x_held[:PREDICTOR_HELDOUT]
     half = len(habs) // 2

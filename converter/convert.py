@@ -17,13 +17,14 @@ from . import arch, graphs, passes
 from . import plan as PL
 from .passes import PassOptions
 from .gguf_source import GGUFSource, SourceError
+from .hf_source import HFSource
 
 QUANT_CHOICES = ("auto", "int4", "fp16", "mixed")
 
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    source: Path
+    source: Path                 # a .gguf file or a Hugging Face model folder
     output: Path | None = None   # default: the source path with the suffix .pinf
     force: bool = False          # overwrite an existing output
     passes: PassOptions = PassOptions()
@@ -93,18 +94,24 @@ def _same_format(items):
 def convert(opts):
     t0 = time.perf_counter()
     src_path = Path(opts.source)
-    out = Path(opts.output) if opts.output else src_path.with_suffix(".pinf")
+    out = Path(opts.output) if opts.output else (
+        src_path.parent / f"{src_path.name}.pinf" if src_path.is_dir() else src_path.with_suffix(".pinf"))
     if out.exists() and not opts.force:
         raise ConvertError(f"{out} already exists; pass --force to overwrite it or -o to choose another name")
     try:
-        src = GGUFSource(src_path)
-        mod = arch.get(src.architecture)        # before any tensor is read
+        if src_path.is_dir():
+            src = HFSource(src_path)
+            mod = src.module()                  # before any tensor is read
+            cfg = src.configure(mod)
+        else:
+            src = GGUFSource(src_path)
+            mod = arch.get(src.architecture)    # before any tensor is read
+            cfg = mod.config_from_gguf(src.meta, src.tensor_names())
         names = src.tensor_names()
-        cfg = mod.config_from_gguf(src.meta, names)
         tokenizer = src.tokenizer_spec()
     except (SourceError, arch.UnsupportedArchitecture, ValueError) as e:
         raise ConvertError(f"{src_path.name}: {e}") from None
-    T = mod.TENSORS
+    T = arch.roles(mod.TENSORS, names, cfg)
     if opts.quant not in QUANT_CHOICES:
         raise ConvertError(f"--quant {opts.quant!r} is not one of {', '.join(QUANT_CHOICES)}")
     try:
@@ -140,7 +147,11 @@ def convert(opts):
             f, parts, fl = _linear(src, T["output"])
             em.put(S.OUTPUT, f, parts, fl)
         w.add_tensor(S.OUTPUT_NORM, src.floats(T["output_norm"]).reshape(-1))
-        if T["rope_freqs"] in names:
+        if "output_norm_bias" in T:
+            w.add_tensor(S.OUTPUT_NORM_BIAS, src.floats(T["output_norm_bias"]).reshape(-1))
+        if "pos_embd" in T:
+            w.add_tensor(S.POS_EMBD, src.floats(T["pos_embd"]))
+        if "rope_freqs" in T:
             w.add_tensor(S.ROPE_FREQS, src.floats(T["rope_freqs"]).reshape(-1))
         for i in range(cfg.n_layer):
             _layer(src, T, cfg, i, w, em, layout.layers[i], opts.quant, hot_rows and hot_rows[i])
@@ -209,7 +220,7 @@ def _check_disk(src, out):
         stale.unlink()
     # Formats are carried over or re-quantized to at most 8.5 bits, so the output is at most about
     # twice the source's 4-bit tensors; graphs and header add a few MB.
-    planned = 2 * sum(src.tensor(n).raw.nbytes for n in src.tensor_names()) + (16 << 20)
+    planned = 2 * sum(src.nbytes(n) for n in src.tensor_names()) + (16 << 20)
     free = shutil.disk_usage(out.resolve().parent).free
     if free < planned:
         raise ConvertError(f"{out.parent} has {free / 1e9:.2f} GB free and the output may need up to "
@@ -219,8 +230,14 @@ def _check_disk(src, out):
 def _layer(src, T, cfg, i, w, em, lay, quant, hot=None):
     """One layer's norms, attention weights, FFN bundles and predictor."""
     n = lambda key: T[key].format(i)  # noqa: E731
-    w.add_tensor(S.ATTN_NORM.format(i), src.floats(n("attn_norm")).reshape(-1))
-    w.add_tensor(S.FFN_NORM.format(i), src.floats(n("ffn_norm")).reshape(-1))
+    vec = lambda key: src.floats(n(key)).reshape(-1)  # noqa: E731
+    w.add_tensor(S.ATTN_NORM.format(i), vec("attn_norm"))
+    w.add_tensor(S.FFN_NORM.format(i), vec("ffn_norm"))
+    for role, name in (("attn_norm_bias", S.ATTN_NORM_BIAS), ("ffn_norm_bias", S.FFN_NORM_BIAS),
+                       ("attn_output_bias", S.ATTN_OUT_BIAS), ("ffn_down_bias", S.FFN_DOWN_BIAS)):
+        if role in T:
+            w.add_tensor(name.format(i), vec(role))
+    _biases(src, T, cfg, i, w, lay.perm)
 
     qkv = _same_format([_linear(src, n(k)) for k in ("attn_q", "attn_k", "attn_v")])
     f, parts = blocks.concat_rows([(f, p) for f, p, _ in qkv])
@@ -229,31 +246,49 @@ def _layer(src, T, cfg, i, w, em, lay, quant, hot=None):
     em.put(S.ATTN_QKV.format(i), f, parts, fl)
     f, parts, fl = _linear(src, n("attn_output"))
     em.put(S.ATTN_OUT.format(i), f, parts, fl)
+    gu_roles = [n(k) for k in ("ffn_gate", "ffn_up") if k in T]
     if quant == "mixed":
-        _mixed_bundles(src, n, cfg, i, em, lay.perm, hot)
+        _mixed_bundles(src, n, gu_roles, cfg, i, em, lay.perm, hot)
     else:
-        _ffn_bundles(src, n, cfg, i, em, lay.perm, quant)
+        _ffn_bundles(src, n, gu_roles, cfg, i, em, lay.perm, quant)
     if lay.predictor is not None:
         em.put(S.FFN_PRED_W1.format(i), "q8", lay.predictor.parts1)
         em.put(S.FFN_PRED_W2.format(i), "q8", lay.predictor.parts2)
         w.add_tensor(S.FFN_PRED_B2.format(i), lay.predictor.b2)
 
 
-def _ffn_bundles(src, n, cfg, i, em, perm, quant):
-    """gate_up (n_ff, 2, d_model) and down_t (n_ff, d_model) (DESIGN.md §3), rows in file order:
-    source order when perm is None, else row k holds source neuron perm[k]."""
+def _biases(src, T, cfg, i, w, perm):
+    """The q/k/v bias as one vector, zeros for the parts the model lacks, and the gate/up biases in
+    the bundle's row order."""
+    n = lambda key: T[key].format(i)  # noqa: E731
+    qkv = [("attn_q_bias", cfg.n_head), ("attn_k_bias", cfg.n_head_kv), ("attn_v_bias", cfg.n_head_kv)]
+    if any(role in T for role, _ in qkv):
+        w.add_tensor(S.ATTN_QKV_BIAS.format(i), np.concatenate(
+            [src.floats(n(role)).reshape(-1) if role in T else np.zeros(heads * cfg.head_dim, np.float32)
+             for role, heads in qkv]))
+    roles = ("ffn_gate_bias", "ffn_up_bias") if cfg.ffn_gated else ("ffn_up_bias",)
+    if any(role in T for role in roles):
+        b = np.stack([src.floats(n(role)).reshape(-1) if role in T else np.zeros(cfg.n_ff, np.float32)
+                      for role in roles], axis=1)
+        w.add_tensor(S.FFN_GATE_UP_BIAS.format(i), np.ascontiguousarray(b if perm is None else b[perm]))
+
+
+def _ffn_bundles(src, n, gu_names, cfg, i, em, perm, quant):
+    """gate_up (n_ff, 2, d_model) (one row per neuron without a gate) and down_t (n_ff, d_model)
+    (DESIGN.md §3), rows in file order: source order when perm is None, else row k holds source
+    neuron perm[k]."""
     sel = (lambda a: a) if perm is None else (lambda a: a[perm])  # noqa: E731
-    (fg, pg, wg), (fu, pu, wu) = _same_format([_linear(src, n("ffn_gate")), _linear(src, n("ffn_up"))])
+    items = _same_format([_linear(src, name) for name in gu_names])
+    fg, parts, floats = items[0][0], [p for _, p, _ in items], [x for _, _, x in items]
     if quant == "fp16" or (quant == "int4" and fg != "q4"):
-        wg = blocks.dequantize(fg, pg) if wg is None else wg
-        wu = blocks.dequantize(fu, pu) if wu is None else wu
+        floats = [blocks.dequantize(fg, p) if x is None else x for _, p, x in items]
         fg = "f16" if quant == "fp16" else "q4"
-        pg, pu = blocks.quantize(fg, wg), blocks.quantize(fg, wu)
-    if fg == "q4" and ("min" in pg or "min" in pu):
-        pg, pu = blocks.with_min(pg), blocks.with_min(pu)
-    gate_up = {p: sel(np.stack([pg[p], pu[p]], axis=1)) for p in pg}
+        parts = [blocks.quantize(fg, x) for x in floats]
+    if fg == "q4" and any("min" in p for p in parts):
+        parts = [blocks.with_min(p) for p in parts]
+    gate_up = {p: sel(np.stack([q[p] for q in parts], axis=1)) for p in parts[0]}
     em.put(S.FFN_GATE_UP.format(i), fg, gate_up,
-           None if wg is None else sel(np.stack([wg, wu], axis=1)).reshape(2 * cfg.n_ff, -1))
+           None if floats[0] is None else sel(np.stack(floats, axis=1)).reshape(len(parts) * cfg.n_ff, -1))
     # down_t (n_ff, d_model): column j of W_down as row j. GGUF's groups run along n_ff, so the
     # exact carry-over uses the row-grouped formats, which only source order keeps (float rows
     # move freely); otherwise rows are re-quantized along d_model (4-bit stays 4-bit).
@@ -269,15 +304,15 @@ def _ffn_bundles(src, n, cfg, i, em, perm, quant):
     em.put(S.FFN_DOWN_T.format(i), fmt, blocks.quantize(fmt, down_t), down_t)
 
 
-def _mixed_bundles(src, n, cfg, i, em, perm, hot):
+def _mixed_bundles(src, n, gu_names, cfg, i, em, perm, hot):
     """--quant mixed: neurons [0, hot) of the file order in f16, [hot, n_ff) in q4 (schema
     FFN_*_COLD). Source blocks carry over exactly where their layout allows: gate/up q4 rows
     always, down_t row groups when the neuron order is the source's."""
     sel = (lambda a: a) if perm is None else (lambda a: a[perm])  # noqa: E731
-    (fg, pg, wg), (fu, pu, wu) = _same_format([_linear(src, n("ffn_gate")), _linear(src, n("ffn_up"))])
-    wg = sel(blocks.dequantize(fg, pg) if wg is None else wg)
-    wu = sel(blocks.dequantize(fu, pu) if wu is None else wu)
-    gate_up = np.stack([wg, wu], axis=1)                       # (n_ff, 2, d) file order
+    items = _same_format([_linear(src, name) for name in gu_names])
+    fg = items[0][0]
+    gate_up = np.stack([sel(blocks.dequantize(f, p) if x is None else x) for f, p, x in items],
+                       axis=1)                                 # (n_ff, 2 or 1, d) file order
     t = src.tensor(n("ffn_down"))
     exact = blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
     down_t = sel(src.floats(n("ffn_down")).T)
@@ -289,11 +324,11 @@ def _mixed_bundles(src, n, cfg, i, em, perm, hot):
                       S.FFN_DOWN_T_COLD if hot else S.FFN_DOWN_T, "q4", slice(hot, cfg.n_ff)))
     for gu_name, down_name, fmt, rows in parts:
         if fmt == "q4" and fg == "q4":          # the source's own 4-bit rows, permuted
-            gp, up = blocks.with_min(pg), blocks.with_min(pu)
-            em.put(gu_name.format(i), "q4", {p: sel(np.stack([gp[p], up[p]], axis=1))[rows] for p in gp})
+            own = [blocks.with_min(p) for _, p, _ in items]
+            em.put(gu_name.format(i), "q4", {p: sel(np.stack([q[p] for q in own], axis=1))[rows] for p in own[0]})
         else:
             flat = gate_up[rows].reshape(-1, cfg.d_model)
-            em.put(gu_name.format(i), fmt, {p: a.reshape(len(gate_up[rows]), 2, -1)
+            em.put(gu_name.format(i), fmt, {p: a.reshape(len(gate_up[rows]), len(items), -1)
                                             for p, a in blocks.quantize(fmt, flat).items()}, flat)
         carried = (exact is not None and fmt == "q4" and perm is None and exact[0] in ("q4r", "q8r")
                    and rows.start % S.GROUP == 0)

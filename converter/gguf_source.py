@@ -74,6 +74,9 @@ class GGUFSource:
         rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
         return SourceTensor(name, t.tensor_type, rows, k, t.data)
 
+    def nbytes(self, name):
+        return self.tensor(name).raw.nbytes
+
     def block(self, name):
         """(format, parts) carried over exactly where a .pinf format matches the GGUF type."""
         t = self.tensor(name)

@@ -103,18 +103,60 @@ def bundle_rows(directory, base):
     return next(e["shape"][0] for name, e in directory.items() if name.rsplit(".", 1)[0] == base)
 
 
-def rms_skip(b, x, skip, gamma, eps):
-    """(normed, x + skip)"""
-    out = b.node("SkipSimplifiedLayerNormalization", [x, skip, b.weight(gamma)], n_out=4,
-                 domain="com.microsoft", epsilon=eps)
+def norm_skip(b, cfg, x, skip, gamma, beta):
+    """(normed, x + skip) with the model's norm: RMSNorm, or LayerNorm when cfg.norm == "layer"."""
+    if cfg.norm == "layer":
+        out = b.node("SkipLayerNormalization", [x, skip, b.weight(gamma), b.weight(beta)], n_out=4,
+                     domain="com.microsoft", epsilon=cfg.norm_eps)
+    else:
+        out = b.node("SkipSimplifiedLayerNormalization", [x, skip, b.weight(gamma)], n_out=4,
+                     domain="com.microsoft", epsilon=cfg.norm_eps)
     return out[0], out[3]
+
+
+def add_bias(b, y, name):
+    """y + the f32 vector `name` when the file has it (biased models), else y."""
+    return b.node("Add", [y, b.weight(name)]) if name in b.directory else y
+
+
+def ffn_hidden(b, cfg, layer, x, weights):
+    """h (1, S, n_ff) of the FFN input x: act(gate)*up, or act(up) without a gate (OPT)."""
+    gu_base, cold_base = S.FFN_GATE_UP.format(layer), S.FFN_GATE_UP_COLD.format(layer)
+    per = 2 if cfg.ffn_gated else 1
+    d, n_ff = cfg.d_model, cfg.n_ff
+    if cold_base in weights:    # --quant mixed: hot rows f16, then cold rows q4, neurons in order
+        hot = bundle_rows(directory=b.directory, base=gu_base)
+        gu = b.node("Concat", [b.linear(x, gu_base, weights[gu_base], per * hot, d),
+                               b.linear(x, cold_base, weights[cold_base], per * (n_ff - hot), d)], axis=2)
+    else:
+        gu = b.linear(x, gu_base, weights[gu_base], per * n_ff, d)  # (1, S, 2 n_ff): g0 u0 g1 u1 ...
+    bias = S.FFN_GATE_UP_BIAS.format(layer)
+    if bias in b.directory:
+        gu = b.node("Add", [gu, b.node("Reshape", [b.weight(bias), b.const(np.array([-1]))])])
+    if not cfg.ffn_gated:
+        return _act(b, cfg, gu)
+    gate, up = b.node("Split", [b.node("Reshape", [gu, b.const(np.array([1, -1, n_ff, 2]))])],
+                      n_out=2, axis=3, num_outputs=2)
+    if cfg.ffn_act == "drelu":
+        up = b.node("Relu", [up])
+    return b.node("Reshape", [b.node("Mul", [_act(b, cfg, gate), up]), b.const(np.array([1, -1, n_ff]))])
+
+
+def _act(b, cfg, g):
+    if cfg.ffn_act == "silu":
+        return b.node("Mul", [g, b.node("Sigmoid", [g])])
+    if cfg.ffn_act == "fatrelu":   # g where g > threshold, else 0
+        keep = b.node("Greater", [g, b.const(np.float32(cfg.ffn_act_threshold))])
+        return b.node("Where", [keep, g, b.const(np.float32(0))])
+    return b.node("Relu", [g])      # relu, drelu
 
 
 def layer_graph(cfg, layer, weights, directory):
     """Layer `layer`: (resid, delta) -> (resid_out, ffn_h, ffn_x); delta is the previous FFN's output.
 
-    resid_out = resid + delta + attention(...); ffn_h (1, S, n_ff) = act(gate)*up, the input of
-    the down projection, which pinfer's kernels compute from the neuron-major ffn_down_t."""
+    resid_out = resid + delta + attention(...) (+ the down projection's bias); ffn_h (1, S, n_ff)
+    = act(gate)*up, the input of the down projection, which pinfer's kernels compute from the
+    neuron-major ffn_down_t."""
     b = GraphBuilder(S.LAYER_GRAPH.format(layer), directory)
     d, hd, hkv = cfg.d_model, cfg.head_dim, cfg.n_head_kv
     n_qkv = (cfg.n_head + 2 * hkv) * hd
@@ -127,30 +169,23 @@ def layer_graph(cfg, layer, weights, directory):
     cos = b.input("cos_cache", F32, ["C", cfg.rotary_dim // 2])
     sin = b.input("sin_cache", F32, ["C", cfg.rotary_dim // 2])
 
-    x, r1 = rms_skip(b, delta, resid, S.ATTN_NORM.format(layer), cfg.norm_eps)
+    x, r1 = norm_skip(b, cfg, delta, resid, S.ATTN_NORM.format(layer), S.ATTN_NORM_BIAS.format(layer))
     qkv_base = S.ATTN_QKV.format(layer)
-    qkv = b.linear(x, qkv_base, weights[qkv_base], n_qkv, d)
-    attn, pk, pv = b.node("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens, total, cos, sin],
-                          n_out=3, domain="com.microsoft", num_heads=cfg.n_head, kv_num_heads=hkv,
-                          do_rotary=1, rotary_interleaved=int(cfg.rope_interleaved))
+    qkv = add_bias(b, b.linear(x, qkv_base, weights[qkv_base], n_qkv, d), S.ATTN_QKV_BIAS.format(layer))
+    rope = cfg.positions == "rope"
+    attrs = dict(num_heads=cfg.n_head, kv_num_heads=hkv, do_rotary=int(rope),
+                 rotary_interleaved=int(cfg.rope_interleaved))
+    if cfg.sliding_window:
+        attrs["local_window_size"] = cfg.sliding_window
+    attn, pk, pv = b.node("GroupQueryAttention",
+                          [qkv, "", "", past_k, past_v, seqlens, total] + ([cos, sin] if rope else []),
+                          n_out=3, domain="com.microsoft", **attrs)
     o_base = S.ATTN_OUT.format(layer)
-    o = b.linear(attn, o_base, weights[o_base], d, cfg.n_head * hd)
-    x2, r2 = rms_skip(b, o, r1, S.FFN_NORM.format(layer), cfg.norm_eps)
+    o = add_bias(b, b.linear(attn, o_base, weights[o_base], d, cfg.n_head * hd), S.ATTN_OUT_BIAS.format(layer))
+    x2, r2 = norm_skip(b, cfg, o, r1, S.FFN_NORM.format(layer), S.FFN_NORM_BIAS.format(layer))
+    h = ffn_hidden(b, cfg, layer, x2, weights)
 
-    gu_base, cold_base = S.FFN_GATE_UP.format(layer), S.FFN_GATE_UP_COLD.format(layer)
-    if cold_base in weights:    # --quant mixed: hot rows f16, then cold rows q4, neurons in order
-        hot = bundle_rows(directory, gu_base)
-        gu = b.node("Concat", [b.linear(x2, gu_base, weights[gu_base], 2 * hot, d),
-                               b.linear(x2, cold_base, weights[cold_base], 2 * (cfg.n_ff - hot), d)], axis=2)
-    else:
-        gu = b.linear(x2, gu_base, weights[gu_base], 2 * cfg.n_ff, d)  # (1, S, 2 n_ff): g0 u0 g1 u1 ...
-    gate, up = b.node("Split", [b.node("Reshape", [gu, b.const(np.array([1, -1, cfg.n_ff, 2]))])],
-                      n_out=2, axis=3, num_outputs=2)
-    act = (b.node("Mul", [gate, b.node("Sigmoid", [gate])]) if cfg.ffn_act == "silu"
-           else b.node("Relu", [gate]))
-    h = b.node("Reshape", [b.node("Mul", [act, up]), b.const(np.array([1, -1, cfg.n_ff]))])
-
-    b.output(r2, "resid_out", F32, [1, "S", d])
+    b.output(add_bias(b, r2, S.FFN_DOWN_BIAS.format(layer)), "resid_out", F32, [1, "S", d])
     b.output(h, "ffn_h", F32, [1, "S", cfg.n_ff])
     b.output(x2, "ffn_x", F32, [1, "S", d])     # the FFN input, for the predictors
     b.output(pk, "present_key", F32, [1, hkv, "T", hd])
@@ -163,7 +198,7 @@ def head_graph(cfg, weights, directory):
     b = GraphBuilder(S.HEAD_GRAPH, directory)
     resid = b.input("resid", F32, [1, "S", cfg.d_model])
     delta = b.input("delta", F32, [1, "S", cfg.d_model])
-    x, _ = rms_skip(b, delta, resid, S.OUTPUT_NORM, cfg.norm_eps)
+    x, _ = norm_skip(b, cfg, delta, resid, S.OUTPUT_NORM, S.OUTPUT_NORM_BIAS)
     base = S.TOKEN_EMBD if cfg.tied_embeddings else S.OUTPUT
     logits = b.linear(x, base, weights[base], cfg.vocab, cfg.d_model)
     b.output(logits, "logits", F32, [1, "S", cfg.vocab])

@@ -57,6 +57,9 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+FFN_ROLES = ("ffn_gate", "ffn_up", "ffn_down")   # source tensors of the FFN bundles (no gate: OPT)
+
+
 def parse_sparsity(text, cfg):
     """Validate --sparsity; returns None (auto), "none", or a calibrate.Point."""
     from .calibrate import Point
@@ -67,10 +70,10 @@ def parse_sparsity(text, cfg):
     if mode not in defaults:
         raise ValueError(f"--sparsity {text!r} is not none, auto, or one of {', '.join(defaults)} "
                          "with an optional :VALUE (e.g. down:0.3)")
-    if mode == "relu" and cfg.ffn_act != "relu":
+    if mode == "relu" and not cfg.exact_sparse:
         raise ValueError(f"--sparsity relu needs a ReLU-family model; this one uses {cfg.ffn_act}: "
                          "use down or predicted")
-    if mode in ("down", "predicted") and cfg.ffn_act == "relu":
+    if mode in ("down", "predicted") and cfg.exact_sparse:
         raise ValueError("this is a ReLU-family model: use --sparsity relu[:RECALL] (exact), or dense")
     try:
         v = float(value) if value else defaults[mode]
@@ -89,7 +92,7 @@ def parse_sparsity(text, cfg):
 def _bundle_formats(src, names, cfg, i, quant, permuted, predictor_bytes):
     """The FFN formats layer i will be written in (see convert._ffn_bundles)."""
     from pinfer.formats import blocks
-    g = src.tensor(names["ffn_gate"].format(i))
+    g = src.tensor(names["ffn_gate" if "ffn_gate" in names else "ffn_up"].format(i))
     exact = blocks.from_gguf(g.ttype, g.raw[:1], 1, g.k)
     four_bit = exact is not None and exact[0] == "q4"
     if quant == "fp16":
@@ -122,9 +125,9 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
     seq_len = min(opts.seq_len, cfg.n_ctx_train)
     cs = calib_data.build(tok, opts.calib, seq_len, opts.calib_tokens, opts.heldout_tokens)
     _log(f"calibration: {cs.description}")
-    ffn_src_bytes = [sum(src.tensor(names[k].format(i)).raw.nbytes for k in ("ffn_gate", "ffn_up", "ffn_down"))
+    ffn_src_bytes = [sum(src.tensor(names[k].format(i)).raw.nbytes for k in FFN_ROLES if k in names)
                      for i in range(cfg.n_layer)]
-    freqs = src.floats(names["rope_freqs"]) if names["rope_freqs"] in src.tensor_names() else None
+    freqs = src.floats(names["rope_freqs"]) if "rope_freqs" in names else None
     bar = _progress(cfg.n_layer, "calibrate")
     result = calibrate.run(src, names, cfg, cs, TL.Embedding(src, names), TL.Head(src, names, cfg),
                            ffn_src_bytes, freqs, opts.predictor_budget, seed=opts.seed,
@@ -259,7 +262,7 @@ def _hot(cfg, layout, dense, neuron_bytes, target_vram_gib, n_ctx):
 def mixed_split(src, names, cfg, layout, target_vram_gib, n_ctx):
     """--quant mixed: the per-layer fp16 prefixes the placement plan fits in target_vram_gib, with
     fp16 bundle rows and the dense tensors at their source sizes (they are carried over)."""
-    keys = [k for k in names if k not in ("ffn_gate", "ffn_up", "ffn_down")]
+    keys = [k for k in names if k not in FFN_ROLES]
     dense = 0
     src_names = set(src.tensor_names())
     for key in keys:
@@ -267,6 +270,7 @@ def mixed_split(src, names, cfg, layout, target_vram_gib, n_ctx):
             name = names[key].format(i) if i is not None else names[key]
             if name in src_names and (key != "token_embd" or cfg.tied_embeddings):
                 dense += src.tensor(name).raw.nbytes
-    neuron = np.full(cfg.n_layer, PL.row_bytes("f16", cfg.d_model, False)[0] * 3.0)   # gate, up, down rows
+    rows = 3.0 if cfg.ffn_gated else 2.0       # gate, up, down rows per neuron
+    neuron = np.full(cfg.n_layer, PL.row_bytes("f16", cfg.d_model, False)[0] * rows)
     hot, _, _ = _hot(cfg, layout, dense, neuron, target_vram_gib, n_ctx)
     return [int(h) for h in hot]

@@ -50,7 +50,7 @@ def ffn_bytes(cfg, fmts, point_mode, read):
     d_row, d_group = row_bytes(fmts.down[0], cfg.d_model, fmts.down[1])
     n, groups = cfg.n_ff, cfg.n_ff // S.GROUP
     gu_share, down_share, group_share = read
-    total = n * gu_share * 2 * gu_row + n * down_share * d_row + groups * group_share * d_group
+    total = n * gu_share * (2 if cfg.ffn_gated else 1) * gu_row + n * down_share * d_row + groups * group_share * d_group
     if point_mode in ("predicted", "relu"):
         total += fmts.predictor_bytes
     return float(total)

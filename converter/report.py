@@ -26,7 +26,8 @@ def dry_run(src, T, cfg, opts, out):
         fmts[name] = (t.ttype.name if hasattr(t.ttype, "name") else str(t.ttype),
                       exact[0] if exact else "q8 (re-quantized)" if t.rows > 1 else "f32")
     layer_f32 = 4 * sum(src.tensor(T[k].format(0)).rows * src.tensor(T[k].format(0)).k
-                        for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"))
+                        for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+                        if k in T)
     calibrating = po.sparsity != "none"
     n_points = 8
     hidden = 4 * cfg.d_model * (po.calib_tokens + n_points * po.heldout_tokens)

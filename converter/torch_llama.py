@@ -1,9 +1,12 @@
-"""The calibration model: one LLaMA-family layer at a time in PyTorch, from dequantized weights.
+"""The calibration model: one decoder layer at a time in PyTorch, from dequantized weights.
 
 Only the converter's passes use this; it is built from the same source tensors as the `.pinf`
-and follows the runtime's conventions (formats/config.py): GGUF row order for attn_q/attn_k,
-so RoPE rotates ADJACENT pairs (2i, 2i+1) when cfg.rope_interleaved, halves otherwise; query
-head h reads kv head h // (n_head / n_head_kv); RMSNorm x * rsqrt(mean(x^2) + eps) * w.
+and follows the runtime's conventions (formats/config.py): RoPE rotates ADJACENT pairs (2i, 2i+1)
+when cfg.rope_interleaved (GGUF's attn_q/attn_k row order), halves otherwise (Hugging Face's);
+query head h reads kv head h // (n_head / n_head_kv); RMSNorm x * rsqrt(mean(x^2) + eps) * w, or
+LayerNorm with a bias; biases, learned positions and a gate-less FFN where the model has them
+(Qwen2, OPT). The architecture's tensor names map roles to source tensors; optional roles (the
+biases, "ffn_gate", "pos_embd") are simply absent from the map when the model lacks them.
 """
 
 from dataclasses import dataclass
@@ -23,9 +26,14 @@ class LayerWeights:
     wv: torch.Tensor          # (n_head_kv*hd, d)
     wo: torch.Tensor          # (d, n_head*hd)
     ffn_norm: torch.Tensor    # (d,)
-    gate: torch.Tensor        # (n_ff, d)
+    gate: torch.Tensor | None  # (n_ff, d); None without a gate (OPT)
     up: torch.Tensor          # (n_ff, d)
     down: torch.Tensor        # (d, n_ff)
+    bias: dict                # role -> (n,) for the biases the model has (BIAS_ROLES)
+
+
+BIAS_ROLES = ("attn_norm_bias", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias",
+              "ffn_norm_bias", "ffn_gate_bias", "ffn_up_bias", "ffn_down_bias")
 
 
 def _tensor(a):
@@ -37,12 +45,24 @@ def load_layer(src, names, i):
     t = lambda key: _tensor(src.floats(names[key].format(i)))  # noqa: E731
     return LayerWeights(
         attn_norm=t("attn_norm").reshape(-1), wq=t("attn_q"), wk=t("attn_k"), wv=t("attn_v"),
-        wo=t("attn_output"), ffn_norm=t("ffn_norm").reshape(-1), gate=t("ffn_gate"), up=t("ffn_up"),
-        down=t("ffn_down"))
+        wo=t("attn_output"), ffn_norm=t("ffn_norm").reshape(-1),
+        gate=t("ffn_gate") if "ffn_gate" in names else None, up=t("ffn_up"), down=t("ffn_down"),
+        bias={k: t(k).reshape(-1) for k in BIAS_ROLES if k in names})
 
 
 def rms_norm(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def norm(x, w, b, cfg):
+    """The model's norm: RMSNorm, or LayerNorm (weight w, bias b) when cfg.norm == "layer"."""
+    if cfg.norm == "layer":
+        return F.layer_norm(x, x.shape[-1:], w, b, cfg.norm_eps)
+    return rms_norm(x, w, cfg.norm_eps)
+
+
+def _linear(x, w, b):
+    return x @ w.T if b is None else x @ w.T + b
 
 
 class Rotary:
@@ -74,27 +94,51 @@ class Rotary:
 def attention(h, w, cfg, rotary):
     """h (B, T, d) residual stream -> h + causal self-attention(h)."""
     B, T, _ = h.shape
-    hd = cfg.head_dim
-    x = rms_norm(h, w.attn_norm, cfg.norm_eps)
-    q = (x @ w.wq.T).view(B, T, cfg.n_head, hd).transpose(1, 2)
-    k = (x @ w.wk.T).view(B, T, cfg.n_head_kv, hd).transpose(1, 2)
-    v = (x @ w.wv.T).view(B, T, cfg.n_head_kv, hd).transpose(1, 2)
-    q, k = rotary(q), rotary(k)
+    hd, bias = cfg.head_dim, w.bias.get
+    x = norm(h, w.attn_norm, bias("attn_norm_bias"), cfg)
+    q = _linear(x, w.wq, bias("attn_q_bias")).view(B, T, cfg.n_head, hd).transpose(1, 2)
+    k = _linear(x, w.wk, bias("attn_k_bias")).view(B, T, cfg.n_head_kv, hd).transpose(1, 2)
+    v = _linear(x, w.wv, bias("attn_v_bias")).view(B, T, cfg.n_head_kv, hd).transpose(1, 2)
+    if cfg.positions == "rope":
+        q, k = rotary(q), rotary(k)
     group = cfg.n_head // cfg.n_head_kv
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return h + o.transpose(1, 2).reshape(B, T, cfg.n_head * hd) @ w.wo.T
+    if cfg.sliding_window and T > cfg.sliding_window:
+        pos = torch.arange(T)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < cfg.sliding_window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return h + _linear(o.transpose(1, 2).reshape(B, T, cfg.n_head * hd), w.wo, bias("attn_output_bias"))
 
 
 def ffn_input(h, w, cfg):
-    return rms_norm(h, w.ffn_norm, cfg.norm_eps)
+    return norm(h, w.ffn_norm, w.bias.get("ffn_norm_bias"), cfg)
+
+
+def ffn_residual(h, w):
+    """The residual stream the FFN's down projection adds to: h plus the down bias, if any."""
+    b = w.bias.get("ffn_down_bias")
+    return h if b is None else h + b
 
 
 def ffn_hidden(x, w, cfg):
-    """x (..., d) -> act(gate x) * (up x), (..., n_ff): the values the sparsity rules judge."""
-    g = x @ w.gate.T
-    act = F.silu(g) if cfg.ffn_act == "silu" else torch.relu(g)
-    return act * (x @ w.up.T)
+    """x (..., d) -> act(gate x) * (up x), or act(up x) without a gate, (..., n_ff): the values
+    the sparsity rules judge."""
+    up = _linear(x, w.up, w.bias.get("ffn_up_bias"))
+    if w.gate is None:
+        return activation(up, cfg)
+    if cfg.ffn_act == "drelu":
+        up = torch.relu(up)
+    return activation(_linear(x, w.gate, w.bias.get("ffn_gate_bias")), cfg) * up
+
+
+def activation(g, cfg):
+    if cfg.ffn_act == "silu":
+        return F.silu(g)
+    if cfg.ffn_act == "fatrelu":
+        return torch.where(g > cfg.ffn_act_threshold, g, torch.zeros_like(g))
+    return torch.relu(g)
 
 
 class Head:
@@ -102,14 +146,18 @@ class Head:
 
     def __init__(self, src, names, cfg, rows=512):
         self.norm = _tensor(src.floats(names["output_norm"])).reshape(-1)
+        self.bias = _tensor(src.floats(names["output_norm_bias"])).reshape(-1) if "output_norm_bias" in names else None
         out = names["output"] if not cfg.tied_embeddings else names["token_embd"]
         self.w = _tensor(src.floats(out))                 # (vocab, d)
-        self.eps, self.rows = cfg.norm_eps, rows
+        self.cfg, self.rows = cfg, rows
+
+    def logits(self, h):
+        return norm(h, self.norm, self.bias, self.cfg) @ self.w.T
 
     def nll(self, h, targets):
         """h (N, d), targets (N,) -> negative log-likelihoods (N,), float64; `rows` tokens at a time
         bound the logits buffer."""
-        x = rms_norm(h, self.norm, self.eps)
+        x = norm(h, self.norm, self.bias, self.cfg)
         out = []
         for s in range(0, len(x), self.rows):
             lp = (x[s:s + self.rows] @ self.w.T).log_softmax(-1)
@@ -122,8 +170,10 @@ class Embedding:
         t = src.tensor(names["token_embd"])
         exact = blocks.from_gguf(t.ttype, t.raw, t.rows, t.k)
         self.fmt, self.parts = exact if exact is not None else ("f32", {"w": src.floats(names["token_embd"])})
+        self.pos = _tensor(src.floats(names["pos_embd"])) if "pos_embd" in names else None
 
     def __call__(self, ids):
-        """ids (B, T) int -> (B, T, d) float32."""
+        """ids (B, T) int -> (B, T, d) float32, plus the learned position rows 0..T-1 if any."""
         rows = blocks.dequantize(self.fmt, self.parts, rows=np.asarray(ids).reshape(-1))
-        return torch.from_numpy(rows).view(*np.shape(ids), -1)
+        out = torch.from_numpy(rows).view(*np.shape(ids), -1)
+        return out if self.pos is None else out + self.pos[:out.shape[-2]]

@@ -82,6 +82,16 @@ ATTN_OUT = "blk.{}.attn_output"             # (d_model, n_head head_dim)
 FFN_NORM = "blk.{}.ffn_norm.weight"         # (d_model,)
 FFN_GATE_UP = "blk.{}.ffn_gate_up"          # (n_ff, 2, d_model) neuron j: gate row, up row
 FFN_DOWN_T = "blk.{}.ffn_down_t"            # (n_ff, d_model) column j of W_down as row j
+# Without a gate (config ffn_gated false: OPT) FFN_GATE_UP holds one row per neuron, (n_ff, 1, d_model).
+# Optional f32 biases and LayerNorm shifts, present when the model has them (Qwen2, OPT):
+ATTN_QKV_BIAS = "blk.{}.attn_qkv_bias"      # (n_qkv,)
+ATTN_OUT_BIAS = "blk.{}.attn_output_bias"   # (d_model,)
+ATTN_NORM_BIAS = "blk.{}.attn_norm.bias"    # (d_model,) config norm "layer"
+FFN_NORM_BIAS = "blk.{}.ffn_norm.bias"      # (d_model,)
+FFN_GATE_UP_BIAS = "blk.{}.ffn_gate_up_bias"  # (n_ff, 1 or 2) file order, like FFN_GATE_UP's rows
+FFN_DOWN_BIAS = "blk.{}.ffn_down_bias"      # (d_model,)
+OUTPUT_NORM_BIAS = "output_norm.bias"       # (d_model,)
+POS_EMBD = "pos_embd"                       # (n_ctx_train, d_model) f32, config positions "learned"
 # --quant mixed splits a layer's bundles: the hot prefix (header ffn.hot_rows[i] neurons, f16) stays
 # in FFN_GATE_UP / FFN_DOWN_T, the remaining rows (q4) follow in these:
 FFN_GATE_UP_COLD = "blk.{}.ffn_gate_up_cold"

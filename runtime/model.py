@@ -139,6 +139,10 @@ class Model:
         self.threads = options.threads or os.cpu_count() or 1
         self.tokenizer_spec = r.header["tokenizer"]
         self.embd_format, self.embd_parts = r.block(S.TOKEN_EMBD)
+        self.pos = r.tensor(S.POS_EMBD) if cfg.positions == "learned" else None   # (n_pos, d)
+        if self.pos is not None and self.n_ctx > len(self.pos):
+            raise ValueError(f"the context of {self.n_ctx} tokens is longer than the {len(self.pos)} positions "
+                             "this model learned; pass a smaller -c/--ctx-size")
 
         self.layers = [self._session(S.LAYER_GRAPH.format(i), self.threads) for i in range(cfg.n_layer)]
         self.head = self._session(S.HEAD_GRAPH, self.threads)
@@ -177,7 +181,8 @@ class Model:
         dense layers (ONNX Runtime's MatMulNBits is the faster dense path), formats or shapes the
         kernel lacks, and --quant mixed splits."""
         rule, r, cfg = self.rules[i], self.reader, self.cfg
-        if not self.use_kernels or rule.rule.mode == "dense" or S.FFN_GATE_UP_COLD.format(i) in r.header["weights"]:
+        if (not self.use_kernels or rule.rule.mode == "dense" or S.FFN_GATE_UP_COLD.format(i) in r.header["weights"]
+                or not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu") or S.FFN_GATE_UP_BIAS.format(i) in r):
             return None
         gate_up, down = r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i))
         predictor = None
@@ -311,6 +316,8 @@ class Model:
             raise ContextFull(self.n_past, n, self.n_ctx)
         self._bind_activations(n)
         self.resid[0][0] = self.embed(tokens)
+        if self.pos is not None:
+            self.resid[0][0] += self.pos[self.n_past:self.n_past + n]
         self.delta.fill(0)
         self.seqlens[0] = self.n_past + n - 1
         self.total[()] = self.n_past + n

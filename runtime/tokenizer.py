@@ -1,8 +1,9 @@
 """Tokenizer built from GGUF tokenizer metadata, matching llama.cpp's token ids.
 
 The spec dict mirrors the GGUF `tokenizer.ggml.*` keys (see `Tokenizer.from_spec`). Encoding runs
-on a HF `tokenizers.Tokenizer` assembled from that vocabulary; decoding is our own byte table so
-that `decode`, `token_bytes` and `StreamDecoder` agree byte for byte with llama.cpp's pieces.
+on a HF `tokenizers.Tokenizer` assembled from that vocabulary, or on the model's own tokenizer.json
+when the spec carries one ("hf_tokenizer"); decoding is our own byte table so that `decode`,
+`token_bytes` and `StreamDecoder` agree byte for byte with llama.cpp's pieces.
 
 Two vocabulary kinds, as llama.cpp names them:
   "gpt2"  byte-level BPE: tokens spell bytes through GPT-2's byte->unicode map, ranked merges, a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import enum
+import json
 from typing import Iterable, Sequence
 
 from tokenizers import AddedToken, Regex
@@ -126,31 +128,31 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float],
     return [(left, right) for *_, left, right in ranked]
 
 
-def _build_gpt2(spec: dict) -> tuple[HFTokenizer, list[bytes]]:
+def _gpt2_encoder(spec: dict) -> HFTokenizer:
     pre = spec.get("pre") or "default"
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(f"Tokenizer pre-tokenizer {pre!r} is not supported; supported ones are "
                          f"{', '.join(sorted(_PRE_TOKENIZERS))}.")
     make_pre, ignore_merges = _PRE_TOKENIZERS[pre]
-    tokens, types = spec["tokens"], spec["token_type"]
     merges = [_split_merge(m) for m in spec.get("merges") or []]
-    hf = HFTokenizer(models.BPE(_vocab_dict(tokens), merges, ignore_merges=ignore_merges))
+    hf = HFTokenizer(models.BPE(_vocab_dict(spec["tokens"]), merges, ignore_merges=ignore_merges))
     hf.pre_tokenizer = make_pre()
+    return hf
 
+
+def _gpt2_pieces(spec: dict) -> list[bytes]:
     decoder = _byte_decoder()
-    pieces = []
-    for text, kind in zip(tokens, types):
-        if kind == TokenType.NORMAL and all(c in decoder for c in text):
-            pieces.append(bytes(decoder[c] for c in text))
-        elif kind == TokenType.BYTE:
-            pieces.append(bytes([_spm_byte(text) or 0]))
-        else:
-            pieces.append(b"" if kind == TokenType.UNUSED else text.encode())
-    return hf, pieces
+
+    def normal(text: str) -> bytes:
+        if all(c in decoder for c in text):
+            return bytes(decoder[c] for c in text)
+        return text.encode()
+
+    return _pieces(spec, normal)
 
 
-def _build_spm(spec: dict) -> tuple[HFTokenizer, list[bytes]]:
-    tokens, types = spec["tokens"], spec["token_type"]
+def _spm_encoder(spec: dict) -> HFTokenizer:
+    tokens = spec["tokens"]
     if "scores" not in spec:
         raise ValueError("Tokenizer spec for a 'llama' (SentencePiece) vocabulary has no 'scores'; "
                          "re-convert the model with tokenizer.ggml.scores.")
@@ -166,20 +168,49 @@ def _build_spm(spec: dict) -> tuple[HFTokenizer, list[bytes]]:
     if spec.get("add_space_prefix", True):
         steps.insert(0, normalizers.Prepend("▁"))
     hf.normalizer = normalizers.Sequence(steps)
+    return hf
 
+
+def _spm_pieces(spec: dict) -> list[bytes]:
+    return _pieces(spec, lambda text: text.replace("▁", " ").encode())
+
+
+def _pieces(spec: dict, normal) -> list[bytes]:
+    """(vocab_size,) bytes each id decodes to; `normal` spells a NORMAL token's text as bytes.
+    Control and user-defined tokens are their raw text, byte tokens their byte, unused nothing."""
     pieces = []
-    for text, kind in zip(tokens, types):
+    for text, kind in zip(spec["tokens"], spec["token_type"]):
         if kind == TokenType.NORMAL:
-            pieces.append(text.replace("▁", " ").encode())
+            pieces.append(normal(text))
         elif kind == TokenType.BYTE:
             pieces.append(bytes([_spm_byte(text) or 0]))
         else:
             pieces.append(b"" if kind == TokenType.UNUSED else text.encode())
-    return hf, pieces
+    return pieces
 
 
-# GGUF `tokenizer.ggml.model` -> builder returning (HF encoder, per-id byte pieces).
-_BUILDERS = {"gpt2": _build_gpt2, "llama": _build_spm}
+# GGUF `tokenizer.ggml.model` -> (HF encoder from the GGUF keys, per-id byte pieces).
+_BUILDERS = {"gpt2": (_gpt2_encoder, _gpt2_pieces), "llama": (_spm_encoder, _spm_pieces)}
+
+
+def gguf_pre_name(tokenizer_json: dict) -> str:
+    """The GGUF `pre` name whose pre-tokenizer (and ignore_merges) a parsed tokenizer.json has,
+    "default" when none has; offset settings are left out of the comparison (ids ignore them)."""
+    want = _without_offsets(tokenizer_json.get("pre_tokenizer"))
+    ignore = bool((tokenizer_json.get("model") or {}).get("ignore_merges", False))
+    for name, (make_pre, ignore_merges) in _PRE_TOKENIZERS.items():
+        if name != "default" and ignore_merges == ignore and \
+                _without_offsets(json.loads(make_pre().__getstate__())) == want:
+            return name
+    return "default"
+
+
+def _without_offsets(step):
+    if isinstance(step, dict):
+        return {k: _without_offsets(v) for k, v in step.items() if k != "trim_offsets"}
+    if isinstance(step, list):
+        return [_without_offsets(v) for v in step]
+    return step
 
 
 class Tokenizer:
@@ -209,7 +240,8 @@ class Tokenizer:
     def from_spec(cls, spec: dict) -> "Tokenizer":
         """Build from GGUF-style metadata: model, pre, tokens, token_type, merges (gpt2) or
         scores (llama), bos_id/eos_id/eot_id/eom_id/unk_id/pad_id, add_bos, add_eos and, for
-        llama, add_space_prefix (default true)."""
+        llama, add_space_prefix (default true). A spec with "hf_tokenizer" (tokenizer.json
+        text, from converter/hf_tokenizer.py) encodes with it instead of pre/merges/scores."""
         for key in ("model", "tokens"):
             if key not in spec:
                 raise ValueError(f"Tokenizer spec has no {key!r}; expected GGUF tokenizer metadata.")
@@ -222,9 +254,13 @@ class Tokenizer:
         if len(spec["token_type"]) != len(spec["tokens"]):
             raise ValueError(f"Tokenizer spec has {len(spec['tokens'])} tokens but "
                              f"{len(spec['token_type'])} token types; re-convert the model.")
-        hf, pieces = _BUILDERS[model](spec)
-        _register_added_tokens(hf, spec["tokens"], spec["token_type"])
-        return cls(spec, hf, pieces)
+        make_encoder, make_pieces = _BUILDERS[model]
+        if "hf_tokenizer" in spec:  # the model's own tokenizer.json: its ids are the truth
+            hf = HFTokenizer.from_str(spec["hf_tokenizer"])
+        else:
+            hf = make_encoder(spec)
+            _register_added_tokens(hf, spec["tokens"], spec["token_type"])
+        return cls(spec, hf, make_pieces(spec))
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True,
                add_eos: bool | None = None) -> list[int]:

@@ -261,13 +261,15 @@ def make_tiny_llama_gguf(
     seed: int = 0,
     arch_name: str = "llama",
     extra_kv: dict[str, Any] | None = None,
+    weights: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write a random LLaMA GGUF with a real byte-level BPE tokenizer; returns `path`.
 
     Weights depend only on the shape arguments and `seed`, not on `qtype`, so files that differ
     only in qtype hold quantizations of the same model. `arch_name` sets general.architecture
     and the prefix of the hyper-parameter keys. `extra_kv` adds or overrides keys (a value of None
-    removes the key); ints are written UINT32, floats FLOAT32, lists as arrays.
+    removes the key); ints are written UINT32, floats FLOAT32, lists as arrays. `weights` (GGUF
+    name -> float32 array) replaces the random weights, e.g. with a Hugging Face model's.
     """
     if qtype not in QTYPES:
         raise ValueError(f"qtype {qtype!r} is not one of {QTYPES}")
@@ -275,10 +277,11 @@ def make_tiny_llama_gguf(
         raise ValueError(f"d_model {d_model}, n_head {n_head}, n_head_kv {n_head_kv} do not divide")
     path = Path(path)
     tokens, types, merges = tiny_bpe_vocab(vocab)
-    weights = tiny_llama_weights(
-        n_layer=n_layer, d_model=d_model, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-        vocab=vocab, tied_embeddings=tied_embeddings, seed=seed,
-    )
+    if weights is None:
+        weights = tiny_llama_weights(
+            n_layer=n_layer, d_model=d_model, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+            vocab=vocab, tied_embeddings=tied_embeddings, seed=seed,
+        )
     a = arch_name
     kv: dict[str, Any] = {
         "general.architecture": (a, VT.STRING),

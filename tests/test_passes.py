@@ -346,7 +346,7 @@ def hwm():
 src = GGUFSource(sys.argv[1])
 mod = arch.get(src.architecture)
 cfg = mod.config_from_gguf(src.meta, src.tensor_names())
-T = mod.TENSORS
+T = arch.roles(mod.TENSORS, src.tensor_names(), cfg)
 cs = calib_data.build(Tokenizer.from_spec(src.tokenizer_spec()), None, 128, 2048, 1024)
 before = hwm()
 calibrate.run(src, T, cfg, cs, TL.Embedding(src, T), TL.Head(src, T, cfg), [1e6] * cfg.n_layer)

@@ -1,7 +1,10 @@
-"""LLaMA family (Llama 2/3, SmolLM2, TinyLlama, Mistral): GQA, RMSNorm, SwiGLU, RoPE.
+"""LLaMA family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, ReluLLaMA, ProSparse, Bamboo):
+GQA, RMSNorm, a gated FFN, RoPE; Qwen2's q/k/v biases; Mistral's sliding window.
 
-GGUF stores attn_q/attn_k rows permuted for GGML's "normal" RoPE, which rotates adjacent pairs
-(2i, 2i+1); the graphs therefore use interleaved RoPE and no rows are moved here."""
+Q/K row order, the one place it is handled: GGUF stores attn_q/attn_k rows permuted for GGML's
+"normal" RoPE, which rotates adjacent pairs (2i, 2i+1), so GGUF configs say rope_interleaved; a
+Hugging Face checkpoint keeps the rotate-half order (pairs (i, i + rotary_dim/2)), so HF configs
+say rope_interleaved=False. No rows are moved in either case: the graphs follow the flag."""
 
 from pinfer.formats.config import ModelConfig
 
@@ -20,7 +23,45 @@ TENSORS = {
     "ffn_gate": "blk.{}.ffn_gate.weight",    # (n_ff, d_model)
     "ffn_up": "blk.{}.ffn_up.weight",        # (n_ff, d_model)
     "ffn_down": "blk.{}.ffn_down.weight",    # (d_model, n_ff)
+    # optional (arch.OPTIONAL): used where the source has them
+    "output_norm_bias": "output_norm.bias",
+    "pos_embd": "position_embd.weight",      # (n_ctx_train, d_model) learned positions
+    "attn_norm_bias": "blk.{}.attn_norm.bias",
+    "attn_q_bias": "blk.{}.attn_q.bias",
+    "attn_k_bias": "blk.{}.attn_k.bias",
+    "attn_v_bias": "blk.{}.attn_v.bias",
+    "attn_output_bias": "blk.{}.attn_output.bias",
+    "ffn_norm_bias": "blk.{}.ffn_norm.bias",
+    "ffn_gate_bias": "blk.{}.ffn_gate.bias",
+    "ffn_up_bias": "blk.{}.ffn_up.bias",
+    "ffn_down_bias": "blk.{}.ffn_down.bias",
 }
+
+# canonical name -> Hugging Face name ("{}" is the layer index) for LlamaForCausalLM and kin
+HF_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+    "output_norm.weight": "model.norm.weight",
+    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+    "blk.{}.attn_q.bias": "model.layers.{}.self_attn.q_proj.bias",
+    "blk.{}.attn_k.bias": "model.layers.{}.self_attn.k_proj.bias",
+    "blk.{}.attn_v.bias": "model.layers.{}.self_attn.v_proj.bias",
+    "blk.{}.attn_output.bias": "model.layers.{}.self_attn.o_proj.bias",
+    "blk.{}.ffn_gate.bias": "model.layers.{}.mlp.gate_proj.bias",
+    "blk.{}.ffn_up.bias": "model.layers.{}.mlp.up_proj.bias",
+    "blk.{}.ffn_down.bias": "model.layers.{}.mlp.down_proj.bias",
+}
+
+# Hugging Face hidden_act -> pinfer ffn_act; Bamboo's dReLU is its own model type
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "relu": "relu", "fatrelu": "fatrelu"}
 
 ACTIVATION_KEY = "pinfer.feed_forward_activation"
 
@@ -71,3 +112,73 @@ def config_from_gguf(meta, tensor_names):
         ffn_act=ffn_act,
         tied_embeddings=TENSORS["output"] not in tensor_names,
     )
+
+
+def rope_from_hf(c):
+    """(base, linear scale) from a config.json: transformers 5 writes rope_parameters, earlier
+    versions rope_theta and rope_scaling."""
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    base = float(params.get("rope_theta") or c.get("rope_theta") or 10000.0)
+    if kind not in ("default", "linear"):
+        raise ValueError(f"the model uses RoPE scaling {kind!r}; pinfer supports none and linear "
+                         "from Hugging Face folders")
+    factor = float(params.get("factor") or scaling.get("factor") or 1.0) if kind == "linear" else 1.0
+    return base, factor
+
+
+def hf_int(c, key, *fallbacks):
+    for k in (key, *fallbacks):
+        if c.get(k) is not None:
+            return int(c[k])
+    raise ValueError(f"config.json lacks {key!r}; it is not a complete model configuration")
+
+
+def config_from_hf(c):
+    model_type = c.get("model_type")
+    act = "drelu" if model_type == "bamboo" else HF_ACTIVATIONS.get(c.get("hidden_act", "silu"))
+    if act is None:
+        raise ValueError(f"config.json's hidden_act is {c.get('hidden_act')!r}; pinfer supports "
+                         f"{', '.join(sorted(HF_ACTIVATIONS))} for {model_type} models")
+    base, factor = rope_from_hf(c)
+    d, n_head = hf_int(c, "hidden_size"), hf_int(c, "num_attention_heads")
+    head_dim = int(c.get("head_dim") or d // n_head)
+    window = c.get("sliding_window") if (model_type == "mistral" or c.get("use_sliding_window")) else None
+    return ModelConfig(
+        arch=model_type,
+        n_layer=hf_int(c, "num_hidden_layers"),
+        d_model=d,
+        n_ff=hf_int(c, "intermediate_size"),
+        n_head=n_head,
+        n_head_kv=int(c.get("num_key_value_heads") or n_head),
+        head_dim=head_dim,
+        vocab=hf_int(c, "vocab_size"),
+        n_ctx_train=hf_int(c, "max_position_embeddings"),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_base=base,
+        rotary_dim=head_dim,
+        rope_interleaved=False,
+        rope_linear_scale=factor,
+        ffn_act=act,
+        ffn_act_threshold=float(c.get("hidden_act_param", 0.0)) if act == "fatrelu" else 0.0,
+        tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        sliding_window=int(window or 0),
+    )
+
+
+def expand_hf(table, cfg):
+    """A canonical -> Hugging Face name table with "{}" templates, per layer, without transforms;
+    the LM head dropped when tied."""
+    out = {}
+    for canon, hf in table.items():
+        for i in range(cfg.n_layer) if "{}" in canon else [None]:
+            out[canon.format(i) if i is not None else canon] = (hf.format(i) if i is not None else hf, None)
+    if cfg.tied_embeddings:
+        out.pop("output.weight", None)
+    return out
+
+
+def hf_tensors(c, cfg):
+    """canonical name -> (Hugging Face name, transform or None)."""
+    return expand_hf(HF_TENSORS, cfg)

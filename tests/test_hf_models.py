@@ -1,0 +1,267 @@
+"""Hugging Face folders in: a tiny random model of every supported architecture, made here with
+transformers (config + save_pretrained to safetensors, a real tokenizer.json), converted by
+`pinfer convert DIR`, run by pinfer's runtime and compared with transformers' own forward pass on
+the same weights.
+
+Stated tolerance: max |logit difference| / max |logit| <= 1e-4 (float32 weights are carried over
+exactly; only the order of float32 arithmetic differs), teacher-forced top-1 agreement >= 99%,
+and greedy generation equal token for token. transformers has no FATReLU (ProSparse) or dReLU
+(Bamboo) model class: those references are its Llama with the MLP's activation replaced, which is
+what those models' own modeling code does.
+"""
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+from fixtures import make_tiny_llama_gguf  # noqa: E402
+from hf_tokenizers import write_tokenizer  # noqa: E402
+
+from pinfer.converter.convert import ConvertError, ConvertOptions, convert  # noqa: E402
+from pinfer.converter.passes import DENSE, PassOptions  # noqa: E402
+from pinfer.runtime.model import Model, RuntimeOptions  # noqa: E402
+from pinfer.runtime.tokenizer import Tokenizer  # noqa: E402
+
+TOL = 1e-4
+TOP1 = 0.99
+N_TOKENS = 48          # teacher-forced positions; longer than Mistral's window below
+GREEDY = 12
+FATRELU_THRESHOLD = 0.05
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+TEXT = ("The old lighthouse keeper climbed the stairs every evening to light the lamp. Ships passed "
+        "far out at sea, and the fishermen in the harbour told stories about storms, lost boats and "
+        "the long winters when the ice closed the bay for months.")
+GATED = dict(SHAPE, intermediate_size=128, num_key_value_heads=2)
+
+
+class FATReLU(torch.nn.Module):
+    """ProSparse's activation: x where x > threshold, else 0."""
+
+    def __init__(self, threshold):
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, x):
+        return torch.where(x > self.threshold, x, torch.zeros_like(x))
+
+
+def _drelu(model):
+    """Bamboo's MLP: relu on the gate and on up."""
+    for layer in model.model.layers:
+        m = layer.mlp
+        m.forward = lambda x, m=m: m.down_proj(torch.relu(m.gate_proj(x)) * torch.relu(m.up_proj(x)))
+
+
+def _fatrelu(model):
+    for layer in model.model.layers:
+        layer.mlp.act_fn = FATReLU(FATRELU_THRESHOLD)
+
+
+# name -> (config class, config arguments, patch of the reference model, config.json edits)
+CASES = {
+    "llama": (tf.LlamaConfig, dict(GATED), None, {}),
+    "llama-tied": (tf.LlamaConfig, dict(GATED, tie_word_embeddings=True), None, {}),
+    "relullama": (tf.LlamaConfig, dict(GATED, hidden_act="relu"), None, {}),
+    "prosparse": (tf.LlamaConfig, dict(GATED, hidden_act="relu"), _fatrelu,
+                  {"hidden_act": "fatrelu", "hidden_act_param": FATRELU_THRESHOLD}),
+    "mistral": (tf.MistralConfig, dict(GATED, sliding_window=16), None, {}),
+    "qwen2": (tf.Qwen2Config, dict(GATED), None, {}),
+    "bamboo": (tf.LlamaConfig, dict(GATED, hidden_act="relu"), _drelu,
+               {"model_type": "bamboo", "architectures": ["BambooForCausalLM"]}),
+    "opt": (tf.OPTConfig, dict(SHAPE, ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=True), None, {}),
+}
+
+
+def make_hf_model(folder, case, seed=0):
+    """Write a random model of `case` to `folder`; returns the transformers reference model."""
+    config_cls, kwargs, patch, edits = CASES[case]
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(folder)
+    config = config_cls(vocab_size=vocab, **kwargs)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():     # weights large enough that logits have clear winners
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    if case == "opt":
+        with torch.no_grad():
+            model.model.decoder.embed_tokens.weight.mul_(4.0)   # tied head: logits of std ~4
+    model.eval()
+    model.save_pretrained(folder)
+    if edits:
+        path = folder / "config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | edits, indent=2))
+    if patch:
+        patch(model)
+    return model
+
+
+def _convert(folder, out, passes=DENSE):
+    with contextlib.redirect_stderr(io.StringIO()):
+        return convert(ConvertOptions(folder, out, passes=passes))
+
+
+def _reference(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def _greedy_hf(model, ids, n):
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(_reference(model, seq)[-1].argmax()))
+    return seq[len(ids):]
+
+
+def _greedy_pinfer(m, ids, n):
+    m.reset()
+    logits, out = m.forward(list(ids)), []
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = m.forward([out[-1]])
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_folder_converts_and_matches_transformers(tmp_path, case):
+    model = make_hf_model(tmp_path / case, case)
+    out = _convert(tmp_path / case, tmp_path / f"{case}.pinf")
+    m = Model(out, RuntimeOptions(threads=1, n_ctx=128))
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, m.cfg.vocab, N_TOKENS)]
+    got, ref = m.forward(ids, logits_from=0), _reference(model, ids)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    top1 = (got.argmax(1) == ref.argmax(1)).mean()
+    print(f"{case}: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e}), top-1 {top1:.1%}")
+    assert rel <= TOL
+    assert top1 >= TOP1
+    assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
+
+
+@pytest.mark.parametrize("case,sparsity", [("opt", "relu:0.99"), ("qwen2", "down:0.3"), ("bamboo", "relu:0.99")])
+def test_hf_folder_calibrates_with_biases_and_without_a_gate(tmp_path, case, sparsity):
+    """The passes (calibration, predictors, hot-first reordering) on the biased and gate-less
+    layouts: dense logits still match transformers, and the planned mode stays close."""
+    model = make_hf_model(tmp_path / case, case)
+    out = _convert(tmp_path / case, tmp_path / f"{case}.pinf",
+                   PassOptions(sparsity=sparsity, order="hot-first", calib_tokens=2048, heldout_tokens=1024, seq_len=64))
+    m = Model(out, RuntimeOptions(threads=1, n_ctx=128, sparsity="dense"))
+    assert m.reader.header["ffn"]["neuron_order"] == "hot-first"
+    # text, not random ids: the predictors learned the calibration text's activations
+    ids = Tokenizer.from_spec(m.tokenizer_spec).encode(TEXT)[:N_TOKENS]
+    assert len(ids) == N_TOKENS
+    got, ref = m.forward(ids, logits_from=0), _reference(model, ids)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"{case} reordered: max |dlogit| / max |logit| = {rel:.2e}")
+    assert rel <= TOL
+    m.set_sparsity("")
+    m.reset()
+    m.counters.reset()
+    planned = m.forward(ids, logits_from=0)
+    gu, down = m.counters.fractions()
+    print(f"{case} {sparsity}: top-1 as planned {(planned.argmax(1) == ref.argmax(1)).mean():.1%}, rows read {gu:.1%} gate/up {down:.1%} down")
+    assert (planned.argmax(1) == ref.argmax(1)).mean() >= 0.8
+
+
+def test_llama_through_both_front_ends_gives_the_same_logits(tmp_path):
+    """The same weights as a Hugging Face folder and as a GGUF written from it (Q/K rows permuted
+    as llama.cpp's converter does): the two .pinf files agree."""
+    model = make_hf_model(tmp_path / "hf", "llama")
+    c = model.config
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    hd = c.hidden_size // c.num_attention_heads
+
+    def permute(w, heads):      # rotate-half rows -> GGML's adjacent pairs
+        return w.reshape(heads, 2, hd // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.o_proj": "attn_output", "self_attn.v_proj": "attn_v",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    w = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+         "output.weight": sd["lm_head.weight"]}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w[f"blk.{i}.attn_q.weight"] = permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads)
+        w[f"blk.{i}.attn_k.weight"] = permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads)
+        for hf, gg in names.items():
+            w[f"blk.{i}.{gg}.weight"] = sd[p + hf + ".weight"]
+    gguf_path = make_tiny_llama_gguf(
+        tmp_path / "same.gguf", weights=w, n_layer=c.num_hidden_layers, d_model=c.hidden_size,
+        n_ff=c.intermediate_size, n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads,
+        vocab=c.vocab_size, eps=c.rms_norm_eps, ctx=c.max_position_embeddings)
+    a = Model(_convert(tmp_path / "hf", tmp_path / "hf.pinf"), RuntimeOptions(threads=1, n_ctx=128))
+    b = Model(_convert(gguf_path, tmp_path / "gguf.pinf"), RuntimeOptions(threads=1, n_ctx=128))
+    assert a.cfg.rope_interleaved is False and b.cfg.rope_interleaved is True
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, c.vocab_size, N_TOKENS)]
+    la, lb = a.forward(ids, logits_from=0), b.forward(ids, logits_from=0)
+    rel = np.abs(la - lb).max() / np.abs(la).max()
+    print(f"HF folder vs GGUF of the same weights: max |dlogit| / max |logit| = {rel:.2e}")
+    assert rel <= 1e-5
+    assert (la.argmax(1) == lb.argmax(1)).all()
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64},
+    {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "vision_config": {}},
+    {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "text_config": {}},
+])
+def test_unsupported_architecture_fails_before_reading_tensors(tmp_path, config):
+    d = tmp_path / "unsupported"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "model.safetensors").write_bytes(b"not a safetensors file: reading it would fail differently")
+    with pytest.raises(ConvertError) as e:
+        _convert(d, tmp_path / "x.pinf")
+    msg = str(e.value)
+    assert repr(config["model_type"]) in msg and config["architectures"][0] in msg
+    assert "llama, mistral, opt, qwen2" in msg.replace("bamboo, ", "")
+    assert not (tmp_path / "x.pinf").exists()
+
+
+def test_folder_without_safetensors_names_the_pickles(tmp_path):
+    d = tmp_path / "pickled"
+    make_hf_model(d, "llama")
+    for f in d.glob("*.safetensors"):
+        f.rename(d / "pytorch_model.bin")
+    with pytest.raises(ConvertError, match="pickled checkpoints"):
+        _convert(d, tmp_path / "x.pinf")
+
+
+def test_cli_converts_a_folder_and_generates(tmp_path):
+    make_hf_model(tmp_path / "qwen", "qwen2")
+    r = subprocess.run([sys.executable, "-m", "pinfer", "convert", str(tmp_path / "qwen"), "--sparsity", "none"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "qwen.pinf"
+    assert out.exists()
+    r = subprocess.run([sys.executable, "-m", "pinfer", "generate", str(out), "-p", "hello", "-n", "8",
+                        "--temp", "0", "-t", "1", "--ignore-eos"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("hello") and len(r.stdout) > len("hello")
+
+
+def test_fixtures_exercise_the_window_and_the_threshold(tmp_path):
+    """The Mistral window and the ProSparse threshold change transformers' logits well beyond TOL,
+    so the comparisons above would catch pinfer ignoring them."""
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, 300, N_TOKENS)]
+    model = make_hf_model(tmp_path / "mistral", "mistral")
+    windowed = _reference(model, ids)
+    model.config.sliding_window = None
+    assert np.abs(windowed - _reference(model, ids)).max() > 100 * TOL * np.abs(windowed).max()
+    model = make_hf_model(tmp_path / "prosparse", "prosparse")
+    fat = _reference(model, ids)
+    for layer in model.model.layers:
+        layer.mlp.act_fn.threshold = 0.0
+    assert np.abs(fat - _reference(model, ids)).max() > 10 * TOL * np.abs(fat).max()
