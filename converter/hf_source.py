@@ -53,7 +53,8 @@ class HFSource:
         """The ModelConfig, after indexing the safetensors headers (no tensor data is read)."""
         cfg = mod.config_from_hf(self.config)
         self._files = self._index()
-        self._map = {c: m for c, m in mod.hf_tensors(self.config, cfg).items() if m[0] in self._files}
+        self._map = {c: m for c, m in mod.hf_tensors(self.config, cfg).items()
+                     if m[0] is None or m[0] in self._files}     # None: computed from the config
         if not cfg.tied_embeddings and "output.weight" not in self._map:
             cfg = dataclasses.replace(cfg, tied_embeddings=True)    # no lm_head saved: it is tied
         self._vocab = cfg.vocab
@@ -101,6 +102,8 @@ class HFSource:
         import torch
         from safetensors import safe_open
         hf_name, transform = self._map[name]
+        if hf_name is None:
+            return transform(None)
         with safe_open(self._files[hf_name], framework="pt") as f:
             t = f.get_tensor(hf_name)
         if t.dtype == torch.bfloat16:
@@ -121,6 +124,8 @@ class HFSource:
         """Bytes of the tensor as stored in the source, from the file's header alone."""
         from safetensors import safe_open
         hf_name, _ = self._map[name]
+        if hf_name is None:
+            return self._array(name).nbytes
         with safe_open(self._files[hf_name], framework="pt") as f:
             s = f.get_slice(hf_name)
             size = {"F32": 4, "F64": 8}.get(s.get_dtype(), 2)

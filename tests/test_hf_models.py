@@ -69,6 +69,9 @@ def _fatrelu(model):
 CASES = {
     "llama": (tf.LlamaConfig, dict(GATED), None, {}),
     "llama-tied": (tf.LlamaConfig, dict(GATED, tie_word_embeddings=True), None, {}),
+    "llama3.1": (tf.LlamaConfig, dict(GATED, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), None, {}),
     "relullama": (tf.LlamaConfig, dict(GATED, hidden_act="relu"), None, {}),
     "prosparse": (tf.LlamaConfig, dict(GATED, hidden_act="relu"), _fatrelu,
                   {"hidden_act": "fatrelu", "hidden_act_param": FATRELU_THRESHOLD}),
@@ -265,3 +268,18 @@ def test_fixtures_exercise_the_window_and_the_threshold(tmp_path):
     for layer in model.model.layers:
         layer.mlp.act_fn.threshold = 0.0
     assert np.abs(fat - _reference(model, ids)).max() > 10 * TOL * np.abs(fat).max()
+
+
+def test_fixture_exercises_llama3_rope_scaling(tmp_path):
+    """Llama 3.1's frequency scaling changes transformers' logits well beyond TOL at this fixture's
+    short original context, so the llama3.1 comparison above tests it."""
+    import copy
+
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, 300, N_TOKENS)]
+    model = make_hf_model(tmp_path / "llama3", "llama3.1")
+    scaled = _reference(model, ids)
+    plain = copy.deepcopy(model.config)
+    plain.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    model.model.rotary_emb = LlamaRotaryEmbedding(plain)
+    assert np.abs(scaled - _reference(model, ids)).max() > 100 * TOL * np.abs(scaled).max()

@@ -6,6 +6,8 @@ Q/K row order, the one place it is handled: GGUF stores attn_q/attn_k rows permu
 Hugging Face checkpoint keeps the rotate-half order (pairs (i, i + rotary_dim/2)), so HF configs
 say rope_interleaved=False. No rows are moved in either case: the graphs follow the flag."""
 
+import numpy as np
+
 from pinfer.formats.config import ModelConfig
 
 # pinfer role -> GGUF tensor name ("{}" is the layer index)
@@ -115,17 +117,27 @@ def config_from_gguf(meta, tensor_names):
 
 
 def rope_from_hf(c):
-    """(base, linear scale) from a config.json: transformers 5 writes rope_parameters, earlier
-    versions rope_theta and rope_scaling."""
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    """(kind, base, scaling parameters) from a config.json: transformers 5 writes rope_parameters,
+    earlier versions rope_theta and rope_scaling."""
+    params = dict(c.get("rope_scaling") or {}) | dict(c.get("rope_parameters") or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
     base = float(params.get("rope_theta") or c.get("rope_theta") or 10000.0)
-    if kind not in ("default", "linear"):
-        raise ValueError(f"the model uses RoPE scaling {kind!r}; pinfer supports none and linear "
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"the model uses RoPE scaling {kind!r}; pinfer supports none, linear and llama3 "
                          "from Hugging Face folders")
-    factor = float(params.get("factor") or scaling.get("factor") or 1.0) if kind == "linear" else 1.0
-    return base, factor
+    return kind, base, params
+
+
+def llama3_divisors(params, base, rotary_dim):
+    """Llama 3.1's per-frequency divisors (the GGUF rope_freqs tensor): frequencies whose wavelength
+    exceeds the original context are divided by `factor`, short ones kept, those between blended."""
+    factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_ctx = float(params["original_max_position_embeddings"])
+    inv = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    wavelen = 2 * np.pi / inv
+    smooth = np.clip((old_ctx / wavelen - low) / (high - low), 0.0, 1.0)
+    scaled = (1 - smooth) * inv / factor + smooth * inv       # 1/factor for long waves, 1 for short
+    return (inv / scaled).astype(np.float32)
 
 
 def hf_int(c, key, *fallbacks):
@@ -141,7 +153,7 @@ def config_from_hf(c):
     if act is None:
         raise ValueError(f"config.json's hidden_act is {c.get('hidden_act')!r}; pinfer supports "
                          f"{', '.join(sorted(HF_ACTIVATIONS))} for {model_type} models")
-    base, factor = rope_from_hf(c)
+    kind, base, rope = rope_from_hf(c)
     d, n_head = hf_int(c, "hidden_size"), hf_int(c, "num_attention_heads")
     head_dim = int(c.get("head_dim") or d // n_head)
     window = c.get("sliding_window") if (model_type == "mistral" or c.get("use_sliding_window")) else None
@@ -159,7 +171,7 @@ def config_from_hf(c):
         rope_base=base,
         rotary_dim=head_dim,
         rope_interleaved=False,
-        rope_linear_scale=factor,
+        rope_linear_scale=float(rope.get("factor") or 1.0) if kind == "linear" else 1.0,
         ffn_act=act,
         ffn_act_threshold=float(c.get("hidden_act_param", 0.0)) if act == "fatrelu" else 0.0,
         tied_embeddings=bool(c.get("tie_word_embeddings", False)),
@@ -180,5 +192,10 @@ def expand_hf(table, cfg):
 
 
 def hf_tensors(c, cfg):
-    """canonical name -> (Hugging Face name, transform or None)."""
-    return expand_hf(HF_TENSORS, cfg)
+    """canonical name -> (Hugging Face name, transform or None); a name None is computed from the
+    configuration (Llama 3.1's rope_freqs)."""
+    out = expand_hf(HF_TENSORS, cfg)
+    kind, base, rope = rope_from_hf(c)
+    if kind == "llama3":
+        out["rope_freqs.weight"] = (None, lambda _: llama3_divisors(rope, base, cfg.rotary_dim))
+    return out
