@@ -73,6 +73,20 @@ def from_gguf_transposed(ttype, raw, rows, k):
     raise AssertionError(fmt)
 
 
+def from_transposed_r(fmt, parts):
+    """The inverse of from_gguf_transposed: the parts of an "r" format W^T (rows, k) back as W
+    (k, rows) in the plain format (q4r -> q4, q8r -> q8), groups running along W's rows, exactly."""
+    if fmt == "q4r":
+        out = {"q": _pairs(np.ascontiguousarray(_unpairs(parts["q"]).T)),
+               "scale": np.ascontiguousarray(parts["scale"].T)}
+        if "min" in parts:
+            out["min"] = np.ascontiguousarray(parts["min"].T)
+        return "q4", out
+    if fmt == "q8r":
+        return "q8", {"q": np.ascontiguousarray(parts["q"].T), "scale": np.ascontiguousarray(parts["scale"].T)}
+    raise ValueError(f"{fmt} is not a transposed (r) block format")
+
+
 def quantize(fmt, w):
     """Float (rows, K) -> parts of `fmt`. q8 is symmetric (Q8_0's rule), q4 asymmetric with a min."""
     w = np.asarray(w, np.float32)

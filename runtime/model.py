@@ -31,7 +31,8 @@ class RuntimeOptions:
     verbose: bool = False
     sparsity: str = ""      # "": each layer's mode from the file; else dense | down:S | predicted:R | relu:R
     # Decode sparse layers with pinfer's fused FFN kernel instead of the ONNX graph + NumPy rule.
-    # Off by default: on SmolLM2 it decodes slower than that path (benchmarks/sparse_decode.py).
+    # Off by default: on SmolLM2 it decodes slower than the dense path (benchmarks/sparse_decode.py);
+    # at LLaMA-7B's shape with 10% active it is 1.9x faster (benchmarks/synthetic_decode.py).
     kernels: bool = False
 
 
@@ -74,6 +75,39 @@ def _session_options(threads):
     # Sessions run one after another on the same cores: spinning pools would fight each other.
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
+
+
+class MatMulDown:
+    """The down projection as ONNX Runtime's MatMulNBits over W_down (d, n_ff), rebuilt in memory
+    at load from the file's q4r/q8r down_t: an exact transpose, since those formats keep GGUF's
+    groups, which run along n_ff, MatMulNBits' K. Every row is read, like DownProjection, but
+    2.3x faster at LLaMA-7B's shape and about 2x at SmolLM2's (one thread); h is quantized to
+    int8 per block of 32, as for every other MatMulNBits (and as llama.cpp does). Same bind(h, y)
+    contract as DownProjection."""
+
+    FORMATS = ("q4r", "q8r")
+
+    def __init__(self, fmt, parts, threads, n_ff, d):
+        from pinfer.converter.graphs import F32, GraphBuilder
+        plain, w = blocks.from_transposed_r(fmt, parts)     # W_down (d, n_ff)
+        self.arrays = {S.part_name("w", p): a for p, a in w.items()}
+        directory = {name: {"dtype": {np.uint8: "u8", np.float16: "f16", np.float32: "f32"}[a.dtype.type],
+                            "shape": list(a.shape), "nbytes": a.nbytes} for name, a in self.arrays.items()}
+        b = GraphBuilder("down", directory)
+        h = b.input("h", F32, [1, "S", n_ff])
+        b.output(b.linear(h, "w", plain, d, n_ff), "y", F32, [1, "S", d])
+        so = _session_options(threads)
+        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays.values()]
+        so.add_external_initializers(list(self.arrays), values)
+        self.bound = _Bound(ort.InferenceSession(b.build().SerializeToString(), so,
+                                                 providers=["CPUExecutionProvider"]))
+        self.bound.keep["initializers"] = values
+        self.n_ff = n_ff
+
+    def bind(self, h, y):
+        self.bound.bind_in("h", h.reshape(1, *h.shape))
+        self.bound.bind_out("y", y.reshape(1, *y.shape))
+        return self.bound.run
 
 
 class SplitDown:
@@ -170,11 +204,27 @@ class Model:
         self.rules = [LayerRule(self.reader, self.reader.header, i, self._rule(i, override), self.counters)
                       for i in range(self.cfg.n_layer)]
         self.ffns = [self._sparse_ffn(i) for i in range(self.cfg.n_layer)]
-        if any(self.ffns) and self.attn is None:
+        if any(self.ffns):
+            self._attention_sessions()
+        self._shape = None      # the bound steps call the rules: bind again
+
+    def _attention_sessions(self):
+        if self.attn is None:
             self.attn = [self._session(S.LAYER_GRAPH.format(i), self.threads, attention_only=True)
                          for i in range(self.cfg.n_layer)]
             self._bind_state(self.attn)
-        self._shape = None      # the bound steps call the rules: bind again
+
+    def set_active_sets(self, draw):
+        """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending
+        int32 indices) instead of the file's rule: synthetic active sets, for benchmarks of models
+        that have no trained predictors (benchmarks/synthetic_decode.py). set_sparsity() undoes it."""
+        r, cfg = self.reader, self.cfg
+        self.ffns = [(SparseFFN(r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i)), cfg.n_ff,
+                                cfg.d_model, cfg.ffn_act, None, self.threads), "given", 0.0, 0.0)
+                     for i in range(cfg.n_layer)]
+        self.draw = draw
+        self._attention_sessions()
+        self._shape = None
 
     def _sparse_ffn(self, i):
         """The fused kernel for layer i's decode, or None where the ONNX graph and NumPy rule run:
@@ -221,7 +271,8 @@ class Model:
         hot_fmt, hot_parts = r.block(S.FFN_DOWN_T.format(i))
         cold = S.FFN_DOWN_T_COLD.format(i)
         if cold not in r.header["weights"]:
-            return DownProjection(hot_fmt, hot_parts, self.threads, cfg.n_ff, cfg.d_model)
+            down = MatMulDown if hot_fmt in MatMulDown.FORMATS else DownProjection
+            return down(hot_fmt, hot_parts, self.threads, cfg.n_ff, cfg.d_model)
         hot = (r.header.get("ffn", {}).get("hot_rows") or [None] * cfg.n_layer)[i:i + 1]
         if not hot or not isinstance(hot[0], int) or not 0 < hot[0] < cfg.n_ff:
             raise ValueError(f"layer {i}'s FFN is split in hot and cold rows but the header's ffn.hot_rows does "
@@ -243,10 +294,8 @@ class Model:
 
     def _session(self, graph, threads, attention_only=False):
         proto = onnx.load_from_string(self.reader.graph_bytes(graph))
-        if attention_only:      # without ffn_h, ONNX Runtime drops the gate/up nodes as dead code
-            keep = [o for o in proto.graph.output if o.name != "ffn_h"]
-            del proto.graph.output[:]
-            proto.graph.output.extend(keep)
+        if attention_only:
+            _drop_output(proto.graph, "ffn_h")
         names, values = [], []
         for t in proto.graph.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL:
@@ -292,8 +341,13 @@ class Model:
     def _kernel_step(self, i):
         ffn, mode, thr, pthr = self.ffns[i]
         run, c, n_ff = ffn.bind(self.x[0, 0], self.delta[0, 0], mode, thr, pthr), self.counters, self.cfg.n_ff
+        draw, idx, counts = (self.draw, ffn.idx, ffn.counts) if mode == "given" else (None, None, None)
 
         def step():
+            if draw is not None:        # the kernel reads counts[0] candidates from idx
+                cand = draw(i)
+                idx[:len(cand)] = cand
+                counts[0] = len(cand)
             cand, kept = run()
             c.gate_up += cand
             c.down += kept
@@ -341,6 +395,26 @@ class Model:
         self._head_in[1][...] = delta
         self.head.run()
         return self._logits[0]
+
+
+def _drop_output(graph, name):
+    """Remove the output `name` and every node and initializer only it needed. ONNX Runtime does
+    not prune them itself: attention-only sessions kept computing gate/up (a 7B layer's 50 MB),
+    which made the fused kernel's decode slower than dense."""
+    keep = [o for o in graph.output if o.name != name]
+    del graph.output[:]
+    graph.output.extend(keep)
+    needed = {o.name for o in keep}
+    nodes = []
+    for node in reversed(graph.node):
+        if any(out in needed for out in node.output):
+            nodes.append(node)
+            needed.update(i for i in node.input if i)
+    del graph.node[:]
+    graph.node.extend(reversed(nodes))
+    inits = [t for t in graph.initializer if t.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
 
 
 class ContextFull(ValueError):

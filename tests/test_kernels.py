@@ -58,3 +58,28 @@ def test_boundary_checks():
         DownProjection("q3", {}, 1, 64, 64)
     with pytest.raises(ValueError, match="scale missing"):
         DownProjection("q4", {"q": np.zeros((64, 32), np.uint8)}, 1, 64, 64)
+
+
+@pytest.mark.parametrize("fmt", ["q8r", "q4r", "q4r-nomin"])
+@pytest.mark.parametrize("S", [1, 5])
+def test_matmul_down_matches_numpy_within_int8_activations(fmt, S):
+    """The runtime's MatMulNBits down projection, rebuilt from down_t: the same product, with h
+    quantized to int8 per block of 32 (one step is 1/127 of the block's largest |h|)."""
+    from pinfer.runtime.model import MatMulDown
+    n, d = 96, 160
+    f, parts, W = down_weights(fmt, n, d)
+    h = RNG.standard_normal((S, n)).astype(np.float32)
+    ref = h.astype(np.float64) @ W.astype(np.float64)
+    y = np.full((S, d), np.nan, np.float32)
+    MatMulDown(f, parts, 1, n, d).bind(h, y)()
+    err = np.abs(y - ref).max() / np.abs(ref).max()
+    print(f"{fmt} S={S}: max |y - ref| / max |ref| = {err:.1e}")
+    assert err <= 2e-2
+    assert np.corrcoef(y.ravel(), ref.ravel())[0, 1] > 0.9999
+
+
+def test_matmul_down_refuses_formats_without_groups_along_n():
+    from pinfer.runtime.model import MatMulDown
+    f, parts, _ = down_weights("q8", 64, 96)
+    with pytest.raises(ValueError, match="not a transposed"):
+        MatMulDown(f, parts, 1, 64, 96)

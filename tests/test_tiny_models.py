@@ -97,3 +97,32 @@ def test_context_overflow_is_a_clear_error(tmp_path):
     m.forward(IDS[:16])
     with pytest.raises(ValueError, match="context"):
         m.forward([1])
+
+
+def test_given_active_sets_decode_through_the_fused_kernel(tmp_path):
+    """Model.set_active_sets (the synthetic-model benchmark's hook): every neuron given equals the
+    dense decode up to the kernel's int8 activations; a tenth given reads a tenth of the rows."""
+    _, out = build(tmp_path, "Q4_0")
+    m = Model(out, RuntimeOptions(threads=1))
+    m.forward(IDS[:4])
+    dense = np.concatenate([m.forward([t]).copy() for t in IDS[4:20]])
+    n_ff = m.cfg.n_ff
+    m.set_active_sets(lambda layer: np.arange(n_ff, dtype=np.int32))
+    m.reset()
+    m.forward(IDS[:4])
+    m.counters.reset()
+    every = np.concatenate([m.forward([t]).copy() for t in IDS[4:20]])
+    assert m.counters.fractions() == (1.0, 1.0)
+    assert np.abs(every - dense).max() <= 4e-2 * np.abs(dense).max()
+    assert (every.argmax(1) == dense.argmax(1)).mean() >= 0.9
+    tenth = np.arange(0, n_ff, 10, dtype=np.int32)
+    m.set_active_sets(lambda layer: tenth)
+    m.reset()
+    m.forward(IDS[:4])
+    m.counters.reset()
+    m.forward([IDS[4]])
+    assert m.counters.fractions() == (len(tenth) / n_ff, len(tenth) / n_ff)
+    m.set_sparsity("")
+    m.reset()
+    m.forward(IDS[:4])
+    assert np.abs(m.forward([IDS[4]]) - dense[0]).max() <= 1e-4 * np.abs(dense).max()

@@ -1,0 +1,200 @@
+"""Decode speed of a LLaMA-7B-shaped INT4 model whose FFN active sets follow a power law: pinfer
+sparse vs pinfer dense vs llama.cpp on the same GGUF, in one run.
+
+    python benchmarks/synthetic_decode.py [--shape 7b] [--layers 32] [--active 0.10,0.25]
+        [--threads 1,2] [--tokens 16] [--repeats 2] [--llama-python VENV/bin/python]
+
+The model is random Q4_0 weights in LLaMA-7B's shapes (d_model 4096, n_ff 11008, 32 heads, vocab
+32000), written once as a GGUF under ~/.cache/pinfer/synthetic and converted with
+`--sparsity none`; nothing about it is trained. ReLU-family models (ReluLLaMA, ProSparse), which
+cannot be downloaded here, fire few FFN neurons per token and a few of them often: neuron j of
+the hot-first file order fires with probability p_j = min(1, c (j + 1)^-alpha), c set so that the
+mean is the active fraction. Each token's active set per layer is drawn from that profile before
+timing and handed to pinfer's fused FFN kernel (Model.set_active_sets), which reads only those
+neurons' gate/up and down rows; attention, norms and the head run in ONNX Runtime as always. The
+dense path is pinfer's default (MatMulNBits for gate/up and down); llama.cpp runs the
+GGUF dense through llama-cpp-python in its own environment (benchmarks/llamacpp_side.py).
+
+The bytes column is weight bytes read per token; with attention dense, it bounds what any FFN
+sparsity can gain: at LLaMA-7B's shapes attention is a third of the weights.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {  # d_model, n_ff, n_head, vocab
+    "7b": (4096, 11008, 32, 32000),
+    "13b": (5120, 13824, 40, 32000),
+    "tiny": (256, 704, 4, 1000),     # for a quick check of the script itself
+}
+CACHE = Path.home() / ".cache" / "pinfer" / "synthetic"
+
+
+def q4_0_blocks(rng, rows, k, scale):
+    """Random Q4_0 bytes (rows, k/32 * 18): every block's f16 scale is `scale`."""
+    b = rng.integers(0, 256, size=(rows, k // 32, 18), dtype=np.uint8)
+    b[..., :2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    return b.reshape(rows, -1)
+
+
+def spm_vocab(n):
+    """(tokens, scores, types) of a SentencePiece-style vocabulary llama.cpp and pinfer both load."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    tokens += ["\u2581"] + [chr(c) for c in range(33, 127)]
+    tokens += [f"\u2581w{i}" for i in range(n - len(tokens))]
+    types += [1] * (n - len(types))
+    scores = [0.0] * 259 + [-float(i) for i in range(n - 259)]
+    return tokens, scores, types
+
+
+def write_gguf(path, shape, n_layer, seed=0):
+    import gguf
+    d, n_ff, n_head, vocab = SHAPES[shape]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path.with_suffix(".part")), arch="llama")
+    w.add_name(f"synthetic-{shape}-{n_layer}L")
+    w.add_block_count(n_layer)
+    w.add_context_length(4096)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(d // n_head)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    tokens, scores, types = spm_vocab(vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    Q = gguf.GGMLQuantizationType.Q4_0
+
+    def q4(name, rows, k):   # scale ~ 1/(4.6 sqrt(k)): unit-variance outputs for unit inputs
+        w.add_tensor(name, q4_0_blocks(rng, rows, k, 1 / (4.6 * np.sqrt(k))), raw_dtype=Q)
+
+    q4("token_embd.weight", vocab, d)
+    q4("output.weight", vocab, d)
+    w.add_tensor("output_norm.weight", np.ones(d, np.float32))
+    for i in range(n_layer):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            q4(f"blk.{i}.{name}.weight", d, d)
+        q4(f"blk.{i}.ffn_gate.weight", n_ff, d)
+        q4(f"blk.{i}.ffn_up.weight", n_ff, d)
+        q4(f"blk.{i}.ffn_down.weight", d, n_ff)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    path.with_suffix(".part").rename(path)
+
+
+def power_law(n, active, alpha):
+    """p_j = min(1, c (j+1)^-alpha) with mean `active`."""
+    base = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+    lo, hi = 0.0, float(n)
+    for _ in range(100):
+        c = (lo + hi) / 2
+        lo, hi = (c, hi) if np.minimum(1.0, c * base).mean() < active else (lo, c)
+    return np.minimum(1.0, c * base)
+
+
+def draws(p, n_layer, n_tokens, rng):
+    """A draw(layer) for Model.set_active_sets that hands out pre-drawn sets token after token."""
+    sets = [np.flatnonzero(rng.random(len(p)) < p).astype(np.int32) for _ in range(n_layer * n_tokens)]
+    it = iter(sets)
+    return lambda layer: next(it), float(np.mean([len(s) for s in sets])) / len(p)
+
+
+def decode_rate(model, tokens):
+    model.reset()
+    model.forward([1, 500, 600, 700])
+    model.counters.reset()          # the bytes column counts decode steps only
+    t = time.perf_counter()
+    for k in range(tokens):
+        model.forward([300 + k])
+    return tokens / (time.perf_counter() - t)
+
+
+def llamacpp_rate(py, gguf_path, threads, n):
+    out = subprocess.run([py, str(Path(__file__).with_name("llamacpp_side.py")), "decode", str(gguf_path),
+                          "--threads", str(threads), "-n", str(n)], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=list(SHAPES), default="7b")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--active", default="0.10,0.25")
+    ap.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of the firing profile")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--llama-python", help="python of an environment with llama-cpp-python")
+    ap.add_argument("--cache", type=Path, default=CACHE)
+    a = ap.parse_args(argv)
+
+    from pinfer.converter.convert import ConvertOptions, convert
+    from pinfer.converter.passes import DENSE
+    from pinfer.runtime.model import Model, RuntimeOptions
+
+    a.cache.mkdir(parents=True, exist_ok=True)
+    gguf_path = a.cache / f"synthetic-{a.shape}-{a.layers}L.Q4_0.gguf"
+    if not gguf_path.exists():
+        t = time.perf_counter()
+        write_gguf(gguf_path, a.shape, a.layers)
+        print(f"wrote {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
+              file=sys.stderr)
+    pinf = gguf_path.with_suffix(".pinf")
+    if not pinf.exists():
+        convert(ConvertOptions(gguf_path, pinf, passes=DENSE))
+    actives = [float(x) for x in a.active.split(",")]
+    rows = []
+    for threads in (int(x) for x in a.threads.split(",")):
+        m = Model(pinf, RuntimeOptions(threads=threads, n_ctx=256))
+        rng = np.random.default_rng(threads)
+        profiles = {f: power_law(m.cfg.n_ff, f, a.alpha) for f in actives}
+        rates = {name: [] for name in ["dense"] + [f"sparse {f:.0%}" for f in actives]}
+        drawn, mb = {}, {}
+        for _ in range(a.repeats):
+            m.set_sparsity("dense")
+            rates["dense"].append(decode_rate(m, a.tokens))
+            mb["dense"] = m.weight_bytes_per_token() / 1e6
+            for f in actives:
+                draw, share = draws(profiles[f], m.cfg.n_layer, a.tokens, rng)
+                m.set_active_sets(draw)
+                name = f"sparse {f:.0%}"
+                rates[name].append(decode_rate(m, a.tokens))
+                drawn[name], mb[name] = share, m.weight_bytes_per_token() / 1e6
+        llama = llamacpp_rate(a.llama_python, gguf_path, threads, a.tokens) if a.llama_python else None
+        dense = statistics.median(rates["dense"])
+        for name, r in rates.items():
+            tok_s = statistics.median(r)
+            rows.append((threads, name, drawn.get(name, 1.0), mb[name], tok_s, tok_s / dense,
+                         tok_s / llama if llama else None))
+        if llama:
+            rows.append((threads, "llama.cpp (dense)", 1.0, None, llama, llama / dense, 1.0))
+        del m
+    print(f"\n{a.shape}-shaped, {a.layers} layers, Q4_0; power-law alpha {a.alpha}; {a.tokens} tokens x "
+          f"{a.repeats} repeats (median)\n")
+    print("| threads | path | FFN rows drawn | weight MB/token | tok/s | vs pinfer dense | vs llama.cpp |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for t, name, share, mbt, tok_s, vs_dense, vs_llama in rows:
+        print(f"| {t} | {name} | {share:.1%} | {'' if mbt is None else f'{mbt:.0f}'} | {tok_s:.2f} | "
+              f"{vs_dense:.2f}x | {'' if vs_llama is None else f'{vs_llama:.2f}x'} |")
+
+
+if __name__ == "__main__":
+    main()
