@@ -108,8 +108,7 @@ def rotating_sets(ffn, x, y, n, frac, rng):
     def call():
         s = sets[state["i"] % k]
         state["i"] += 1
-        ffn.idx[:len(s)] = s
-        ffn.counts[0] = len(s)
+        ffn.set_candidates(s)
         return run()
     return call
 

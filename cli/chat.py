@@ -78,8 +78,8 @@ def command(ctx, model, system, n_predict, chat_template_file, **kw):
             err(f"prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tok/s, "
                 f"reply {s.decode_tokens} tokens at {s.decode_tps:.1f} tok/s, sparsity {sparsity}"
                 f"{' (every FFN neuron computed)' if sparsity == 'dense' else ''}; "
-                f"FFN rows read {gu:.0%} gate/up, {down:.0%} down; {m.weight_bytes_per_token() / 1e6:.1f} MB "
-                "of weights per token")
+                f"FFN rows kept {gu:.0%} gate/up, {down:.0%} down; {m.weight_bytes_per_token() / 1e6:.1f} MB "
+                "of weights read per token")
             continue
         if cmd in ("/help", "/?"):
             err(HELP)

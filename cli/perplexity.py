@@ -33,5 +33,5 @@ def command(ctx, model, text_file, chunks, **kw):
     gu, down = m.counters.fractions()
     click.echo(f"PPL = {res.ppl:.4f} +/- {res.stderr:.4f} ({res.chunks} chunks of {n_ctx}, "
                f"{res.tokens_scored} tokens scored; sparsity {', '.join(m.sparsity_names)}: "
-               f"{gu:.1%} of gate/up rows and {down:.1%} of down rows read, "
-               f"{m.weight_bytes_per_token() / 1e6:.1f} MB of weights per token)")
+               f"the rules keep {gu:.1%} of gate/up rows and {down:.1%} of down rows; "
+               f"{m.weight_bytes_per_token() / 1e6:.1f} MB of weights read per token)")

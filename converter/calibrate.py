@@ -107,7 +107,7 @@ def _quantiles(values, qs, rng):
 
 
 def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, predictor_budget=0.10,
-        on_layer=None, seed=0, train_predictors=True, extra_point=None):
+        on_layer=None, seed=0, extra_point=None):
     """The layer-streamed passes over `calib` (calib_data.CalibrationSet)."""
     torch.manual_seed(seed)
     _fixed_mmap_threshold()
@@ -143,17 +143,14 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
 
         t1 = time.perf_counter()
         lc = LayerCalibration(thresholds, freq, None, [], {})
-        if train_predictors:
-            _fit_predictor(lc, cfg, x_train.numpy(), mask_train.numpy(), x_held.numpy(), hact_held,
-                           ffn_bytes[i], predictor_budget, seed + i)
+        _fit_predictor(lc, cfg, x_train.numpy(), mask_train.numpy(), x_held.numpy(), hact_held,
+                       ffn_bytes[i], predictor_budget, seed + i)
         del x_train, h_train, mask_train
         seconds["predictor"] += time.perf_counter() - t1
 
         t2 = time.perf_counter()
         with torch.no_grad():
             for p in points:
-                if p.mode != "dense" and lc.predictor is None and p.mode != "down":
-                    continue
                 h = streams[p.name]
                 reads = np.zeros(3)
                 for k, b in enumerate(range(0, len(h), BATCH_SEQS)):
@@ -175,8 +172,6 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
     nll = {}
     with torch.no_grad():
         for p in points:
-            if p.name not in layers[-1].read:
-                continue
             hs = streams[p.name][:, :-1].reshape(-1, cfg.d_model)
             nll[p.name] = float(head.nll(hs, targets).mean())
         ref = head.logits(streams["dense"][0, :REFERENCE_TOKENS])

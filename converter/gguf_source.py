@@ -77,6 +77,9 @@ class GGUFSource:
     def nbytes(self, name):
         return self.tensor(name).raw.nbytes
 
+    def ttype(self, name):
+        return self.tensor(name).ttype
+
     def block(self, name):
         """(format, parts) carried over exactly where a .pinf format matches the GGUF type."""
         t = self.tensor(name)

@@ -131,12 +131,22 @@ class HFSource:
             size = {"F32": 4, "F64": 8}.get(s.get_dtype(), 2)
             return size * int(np.prod(s.get_shape()))
 
+    def ttype(self, name):
+        """The GGUF type tensor() gives, from the header: F32 for f32, F16 otherwise (bf16 too,
+        unless a value is beyond f16's range, which only reading the data tells)."""
+        from safetensors import safe_open
+        hf_name, _ = self._map[name]
+        if hf_name is None:
+            return Q.F32
+        with safe_open(self._files[hf_name], framework="pt") as f:
+            return Q.F32 if f.get_slice(hf_name).get_dtype() in ("F32", "F64") else Q.F16
+
     def block(self, name):
         t = self.tensor(name)
         return blocks.from_gguf(t.ttype, t.raw, t.rows, t.k)
 
     def floats(self, name):
-        return self.tensor(name).raw.astype(np.float32)
+        return self.tensor(name).raw.astype(np.float32, copy=False)
 
     def release(self):
         """Nothing stays mapped between tensors (each is read on demand)."""

@@ -49,7 +49,6 @@ class LayoutPlan:
     layers: list
     sparsity: dict
     calibration: object = None       # calibrate.CalibrationResult
-    choice: object = None            # plan.Choice
     calib_set: object = None         # calib_data.CalibrationSet
 
 
@@ -89,20 +88,20 @@ def parse_sparsity(text, cfg):
     return Point(mode, v)
 
 
-def _bundle_formats(src, names, cfg, i, quant, permuted, predictor_bytes):
-    """The FFN formats layer i will be written in (see convert._ffn_bundles)."""
-    from pinfer.formats import blocks
-    g = src.tensor(names["ffn_gate" if "ffn_gate" in names else "ffn_up"].format(i))
-    exact = blocks.from_gguf(g.ttype, g.raw[:1], 1, g.k)
-    four_bit = exact is not None and exact[0] == "q4"
+def _bundle_formats(src, names, i, quant, permuted, predictor_bytes):
+    """The FFN formats layer i will be written in (convert._ffn_bundles decides the same from the
+    tensors), from the source's tensor types alone."""
+    from pinfer.formats.blocks import EXACT, TRANSPOSED
     if quant == "fp16":
         return PL.BundleFormats(("f16", False), ("f16", False), predictor_bytes)
-    # mixed: the CPU reads the cold rows, int4 (the fp16 hot rows belong to the GPU)
-    gu = ("q4", True) if (quant in ("int4", "mixed") or four_bit) else ("q8", False)
-    dn = src.tensor(names["ffn_down"].format(i))
-    carried = blocks.from_gguf_transposed(dn.ttype, dn.raw, dn.rows, dn.k)
-    if carried is not None and PL.carries_down(quant, carried[0], permuted):
-        return PL.BundleFormats(gu, (carried[0], "min" in carried[1]), predictor_bytes)
+    # gate and up carried over when both have one exact format, else re-quantized to q8
+    kinds = {EXACT.get(src.ttype(names[k].format(i))) for k in ("ffn_gate", "ffn_up") if k in names}
+    gu = kinds.pop() if len(kinds) == 1 and None not in kinds else ("q8", False)
+    if quant == "mixed" or quant == "int4" and gu[0] != "q4":   # mixed: the CPU reads the cold rows, int4
+        gu = ("q4", True)
+    dn = EXACT.get(src.ttype(names["ffn_down"].format(i)))
+    if dn is not None and PL.carries_down(quant, TRANSPOSED[dn[0]], permuted):
+        return PL.BundleFormats(gu, (TRANSPOSED[dn[0]], dn[1]), predictor_bytes)
     return PL.BundleFormats(gu, ("q4", True) if quant in ("int4", "mixed") else ("q8", False), predictor_bytes)
 
 
@@ -125,7 +124,7 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
     seq_len = min(opts.seq_len, cfg.n_ctx_train)
     cs = calib_data.build(tok, opts.calib, seq_len, opts.calib_tokens, opts.heldout_tokens)
     _log(f"calibration: {cs.description}")
-    ffn_src_bytes = [sum(src.tensor(names[k].format(i)).raw.nbytes for k in FFN_ROLES if k in names)
+    ffn_src_bytes = [sum(src.nbytes(names[k].format(i)) for k in FFN_ROLES if k in names)
                      for i in range(cfg.n_layer)]
     freqs = src.floats(names["rope_freqs"]) if "rope_freqs" in names else None
     bar = _progress(cfg.n_layer, "calibrate")
@@ -137,7 +136,7 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
 
     def fmts(i, p):
         permuted = _permuted(opts.order, p.mode)
-        return _bundle_formats(src, names, cfg, i, quant, permuted, result.layers[i].predictor.nbytes())
+        return _bundle_formats(src, names, i, quant, permuted, result.layers[i].predictor.nbytes())
 
     def bytes_of(i, p):
         return PL.ffn_bytes(cfg, fmts(i, p), p.mode, result.layers[i].read[p.name])
@@ -175,7 +174,7 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
         "seconds": {k: round(v, 1) for k, v in result.seconds.items()},
     }
     _log(f"sparsity: {choice.reason} ({time.perf_counter() - t0:.0f} s)")
-    return LayoutPlan(layers, sparsity, result, choice, cs)
+    return LayoutPlan(layers, sparsity, result, cs)
 
 
 def _permuted(order, mode):
@@ -269,7 +268,7 @@ def mixed_split(src, names, cfg, layout, target_vram_gib, n_ctx):
         for i in range(cfg.n_layer) if "{}" in names[key] else [None]:
             name = names[key].format(i) if i is not None else names[key]
             if name in src_names and (key != "token_embd" or cfg.tied_embeddings):
-                dense += src.tensor(name).raw.nbytes
+                dense += src.nbytes(name)
     rows = 3.0 if cfg.ffn_gated else 2.0       # gate, up, down rows per neuron
     neuron = np.full(cfg.n_layer, PL.row_bytes("f16", cfg.d_model, False)[0] * rows)
     hot, _, _ = _hot(cfg, layout, dense, neuron, target_vram_gib, n_ctx)

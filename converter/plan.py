@@ -64,8 +64,9 @@ class Choice:
 
 
 def choose(result, points, bytes_of, budget, forced=None):
-    """The `auto` choice: per mode, its cheapest operating point whose held-out perplexity stays
-    within `budget` (relative increase over dense); per layer, the cheapest of those modes.
+    """The `auto` choice: of the operating points whose held-out perplexity stays within `budget`
+    (relative increase over dense), the one that reads the fewest FFN bytes, for every layer
+    (measured as one point for the whole model); dense in layers where that point reads more.
 
     bytes_of(layer, point) -> modelled FFN bytes. `forced` (a Point) skips the choice."""
     n_layer = len(result.layers)
@@ -79,15 +80,8 @@ def choose(result, points, bytes_of, budget, forced=None):
                       "ffn_bytes": total})
     if forced is not None:
         return Choice([forced] * n_layer, f"forced by --sparsity {forced.name}", table)
-    ok = {row["point"] for row in table if row["increase"] <= budget}
-    best = {}
-    for p in points:
-        if p.name in ok:
-            total = next(r["ffn_bytes"] for r in table if r["point"] == p.name)
-            if p.mode not in best or total < best[p.mode][1]:
-                best[p.mode] = (p, total)
-    # one operating point for all layers: the one measured within budget that reads least
-    uniform, total = min(best.values(), key=lambda pt: pt[1])
+    ok = {row["point"]: row["ffn_bytes"] for row in table if row["increase"] <= budget}
+    uniform, total = min(((p, ok[p.name]) for p in points if p.name in ok), key=lambda pt: pt[1])
     dense = next(p for p in points if p.mode == "dense")
     modes = [uniform if bytes_of(i, uniform) < bytes_of(i, dense) else dense for i in range(n_layer)]
     n_dense = sum(m.mode == "dense" for m in modes)

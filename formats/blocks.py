@@ -25,6 +25,13 @@ def _unpairs(packed):
     return out
 
 
+# GGUF type -> (.pinf format, has a min) of from_gguf's exact carry-over; from_gguf_transposed
+# gives the "r" form of the quantized ones (TRANSPOSED)
+EXACT = {Q.F32: ("f32", False), Q.F16: ("f16", False), Q.Q4_0: ("q4", False), Q.Q4_1: ("q4", True),
+         Q.Q8_0: ("q8", False)}
+TRANSPOSED = {"f32": "f32", "f16": "f16", "q4": "q4r", "q8": "q8r"}
+
+
 def from_gguf(ttype, raw, rows, k):
     """GGUF raw bytes (rows, bytes per row) -> (format, parts) carried over exactly, or None when
     the GGUF type has no exact .pinf block format (the caller then dequantizes and re-quantizes)."""

@@ -29,6 +29,7 @@ def _load():
 
 
 _lib = _load()
+MAX_D = 65536   # d_model the sparse FFN's stack buffers hold (ffn_sparse.c)
 
 # format -> (code in kernels/csrc/ffn_down.c, {part: (dtype, shape(n, d))})
 _DOWN_FORMATS = {
@@ -124,6 +125,8 @@ class SparseFFN:
     def __init__(self, gate_up, down, n_ff, d, act="silu", predictor=None, threads=1):
         if d % 32 or n_ff % 32:
             raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
+        if d > MAX_D:
+            raise ValueError(f"d_model {d} is over the sparse FFN's {MAX_D} (MAX_D in ffn_sparse.c)")
         if act not in ("silu", "relu"):
             raise ValueError(f"the sparse FFN takes the activations silu and relu, not {act}")
         self.n_ff, self.d, self.threads = n_ff, d, threads
@@ -178,15 +181,19 @@ class SparseFFN:
     def __call__(self, x, y, mode="dense", threshold=0.0, pred_threshold=0.0, candidates=None):
         """x, y: float32 (d,). Returns (candidates, survivors). Mode "given" computes the neurons
         `candidates` (ascending indices) under the threshold rule."""
-        self._check(x, y, mode)
         if mode == "given":
             cand = np.asarray(candidates, np.int32)
             if cand.ndim != 1 or len(cand) > self.n_ff or (len(cand) and (cand.min() < 0 or cand.max() >= self.n_ff
                                                                          or (np.diff(cand) <= 0).any())):
                 raise ValueError(f"candidates must be ascending distinct neuron indices below {self.n_ff}")
-            self.idx[:len(cand)] = cand
-            self.counts[0] = len(cand)
+            self.set_candidates(cand)
         return self.bind(x, y, mode, threshold, pred_threshold)()
+
+    def set_candidates(self, cand):
+        """The neurons the next "given" call computes: ascending int32 indices, unchecked (the
+        decode loop's entry; __call__ checks them)."""
+        self.idx[:len(cand)] = cand
+        self.counts[0] = len(cand)
 
     def survivors(self):
         """(neuron indices, h values) of the last call's survivors."""

@@ -80,10 +80,9 @@ def _session_options(threads):
 class MatMulDown:
     """The down projection as ONNX Runtime's MatMulNBits over W_down (d, n_ff), rebuilt in memory
     at load from the file's q4r/q8r down_t: an exact transpose, since those formats keep GGUF's
-    groups, which run along n_ff, MatMulNBits' K. Every row is read, like DownProjection, but
-    2.3x faster at LLaMA-7B's shape and about 2x at SmolLM2's (one thread); h is quantized to
-    int8 per block of 32, as for every other MatMulNBits (and as llama.cpp does). Same bind(h, y)
-    contract as DownProjection."""
+    groups, which run along n_ff, MatMulNBits' K. Every row is read, like DownProjection, only
+    faster; h is quantized to int8 per block of 32, as for every other MatMulNBits (and as
+    llama.cpp does). Same bind(h, y) contract as DownProjection."""
 
     FORMATS = ("q4r", "q8r")
 
@@ -91,8 +90,8 @@ class MatMulDown:
         from pinfer.converter.graphs import F32, GraphBuilder
         plain, w = blocks.from_transposed_r(fmt, parts)     # W_down (d, n_ff)
         self.arrays = {S.part_name("w", p): a for p, a in w.items()}
-        directory = {name: {"dtype": {np.uint8: "u8", np.float16: "f16", np.float32: "f32"}[a.dtype.type],
-                            "shape": list(a.shape), "nbytes": a.nbytes} for name, a in self.arrays.items()}
+        directory = {name: {"dtype": S.DTYPE_CODES[a.dtype], "shape": list(a.shape), "nbytes": a.nbytes}
+                     for name, a in self.arrays.items()}
         b = GraphBuilder("down", directory)
         h = b.input("h", F32, [1, "S", n_ff])
         b.output(b.linear(h, "w", plain, d, n_ff), "y", F32, [1, "S", d])
@@ -102,7 +101,6 @@ class MatMulDown:
         self.bound = _Bound(ort.InferenceSession(b.build().SerializeToString(), so,
                                                  providers=["CPUExecutionProvider"]))
         self.bound.keep["initializers"] = values
-        self.n_ff = n_ff
 
     def bind(self, h, y):
         self.bound.bind_in("h", h.reshape(1, *h.shape))
@@ -255,10 +253,10 @@ class Model:
         return Rule(info.get("mode", "dense"), float(info.get("value", 0.0)))
 
     def weight_bytes_per_token(self):
-        """Weight bytes a decode step reads under the rules, from the rows counted since the last
-        counters.reset() (all rows before any call)."""
+        """Weight bytes a step reads, from the rows read since the last counters.reset() (all rows
+        before any call): on the NumPy-rule path every FFN row, with the fused kernel the rows it keeps."""
         from .bench import weight_bytes_per_token
-        return weight_bytes_per_token(self.reader, self.cfg, self.counters.fractions(),
+        return weight_bytes_per_token(self.reader, self.cfg, self.counters.read_fractions(),
                                       {i for i, r in enumerate(self.rules) if r.rule.mode in ("predicted", "relu")})
 
     @property
@@ -341,17 +339,14 @@ class Model:
     def _kernel_step(self, i):
         ffn, mode, thr, pthr = self.ffns[i]
         run, c, n_ff = ffn.bind(self.x[0, 0], self.delta[0, 0], mode, thr, pthr), self.counters, self.cfg.n_ff
-        draw, idx, counts = (self.draw, ffn.idx, ffn.counts) if mode == "given" else (None, None, None)
+        given = ffn.set_candidates if mode == "given" else None
+        draw = self.draw if given else None
 
         def step():
-            if draw is not None:        # the kernel reads counts[0] candidates from idx
-                cand = draw(i)
-                idx[:len(cand)] = cand
-                counts[0] = len(cand)
+            if given:
+                given(draw(i))
             cand, kept = run()
-            c.gate_up += cand
-            c.down += kept
-            c.full += n_ff
+            c.add(cand, kept, cand, kept, n_ff)     # the kernel reads what it keeps
         return step
 
     def embed(self, tokens):

@@ -1,6 +1,8 @@
 """The FFN sparsity rules between a layer's ONNX session and its down projection
 (formats/schema.py SPARSITY_MODES): zero the entries of h the layer's mode skips, and count the
-rows a sparse kernel would read. Same rules, per token, in prefill and decode.
+rows the rule keeps (what a row-skipping kernel reads) and the rows this path reads (all of them:
+the ONNX graph computes every gate/up row, the down projection reads every row). Same rules, per
+token, in prefill and decode.
 
 NumPy reference implementation: it makes every mode measurable (perplexity, rows read) with the
 real runtime; the fused C kernels of pinfer.kernels replace it where they exist.
@@ -36,22 +38,35 @@ class Rule:
 
 
 class Counters:
-    """Rows read, summed over tokens, for the stats line."""
+    """FFN rows summed over layers and tokens: those the rules keep (gate/up: the candidates; down:
+    the survivors) and those actually read from memory, which differ on the NumPy-rule path."""
 
     def __init__(self):
         self.reset()
 
     def reset(self):
-        self.tokens = 0
-        self.gate_up = 0
-        self.down = 0
+        self.gate_up = self.down = 0            # kept by the rules
+        self.read_gate_up = self.read_down = 0  # read
         self.full = 0
 
+    def add(self, gate_up, down, read_gate_up, read_down, full):
+        self.gate_up += gate_up
+        self.down += down
+        self.read_gate_up += read_gate_up
+        self.read_down += read_down
+        self.full += full
+
     def fractions(self):
-        """(gate/up rows read, down rows read) as shares of all rows, over the layers counted."""
+        """(gate/up rows, down rows) the rules keep, as shares of all rows counted."""
         if not self.full:
             return 1.0, 1.0
         return self.gate_up / self.full, self.down / self.full
+
+    def read_fractions(self):
+        """(gate/up rows, down rows) read from memory, as shares of all rows counted."""
+        if not self.full:
+            return 1.0, 1.0
+        return self.read_gate_up / self.full, self.read_down / self.full
 
 
 class LayerRule:
@@ -88,14 +103,13 @@ class LayerRule:
                          np.float32(t["threshold"]))
 
     def bind(self, x, h):
-        """A zero-argument callable applying the rule to h in place and counting rows."""
+        """A zero-argument callable applying the rule to h in place and counting rows (this path
+        reads every row, whatever the rule keeps)."""
         c = self.counters
         n_ff = h.shape[-1]
         if self.rule.mode == "dense":
             def dense():
-                c.gate_up += h.size
-                c.down += h.size
-                c.full += h.size
+                c.add(h.size, h.size, h.size, h.size, h.size)
             return dense
         if self.rule.mode == "down":
             thr = self.threshold
@@ -103,9 +117,7 @@ class LayerRule:
             def down():
                 keep = np.abs(h) >= thr
                 np.multiply(h, keep, out=h)
-                c.gate_up += h.size
-                c.down += int(keep.sum())
-                c.full += h.size
+                c.add(h.size, int(keep.sum()), h.size, h.size, h.size)
             return down
         w1, w2, b2, pthr = self.pred
         thr = self.threshold
@@ -113,13 +125,12 @@ class LayerRule:
         def predicted():
             scores = np.maximum(x @ w1, 0) @ w2 + b2          # (S, n_ff)
             keep = scores >= pthr
-            c.gate_up += int(keep.sum())
+            candidates = int(keep.sum())
             if thr is not None:
                 keep &= np.abs(h) >= thr
             else:
                 keep &= h != 0
             np.multiply(h, keep, out=h)
-            c.down += int(keep.sum())
-            c.full += h.size
+            c.add(candidates, int(keep.sum()), h.size, h.size, h.size)
         assert n_ff == w2.shape[1]
         return predicted

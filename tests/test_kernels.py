@@ -23,7 +23,7 @@ def down_weights(fmt, n, d):
     return fmt, parts, blocks.dequantize(fmt, parts)
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q8r", "q4r", "q4r-nomin", "f16", "f32"])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "q8r", "q4r", "q4r-nomin", "f16", "f32"])
 @pytest.mark.parametrize("S", [1, 3, 4, 9])
 @pytest.mark.parametrize("n, d", [(64, 96), (96, 1088)])
 def test_down_matches_numpy_and_is_thread_independent(fmt, S, n, d):

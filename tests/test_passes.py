@@ -163,8 +163,9 @@ def test_kernel_decode_agrees_with_the_numpy_rules(silu_file, relu_files, which,
 
 
 def test_weight_bytes_per_token_follow_the_rows_read(silu_file):
-    """Decode's weight bytes: the dense tensors, the FFN rows the rules read, predictors only where
-    a rule runs them."""
+    """Decode's weight bytes: the dense tensors, predictors only where a rule runs them, and the FFN
+    rows read, which on the NumPy-rule path are all of them whatever the rule keeps, and with the
+    fused kernel exactly the rows it keeps."""
     _, path = silu_file
     r = PinfReader(path)
     size = lambda *bases: sum(e["nbytes"] for n, e in r.tensors.items()  # noqa: E731
@@ -172,15 +173,21 @@ def test_weight_bytes_per_token_follow_the_rows_read(silu_file):
     gate_up, down, pred = size(S.FFN_GATE_UP), size(S.FFN_DOWN_T), size(S.FFN_PRED_W1, S.FFN_PRED_W2, S.FFN_PRED_B2)
     ids = _ids(Model(path, RuntimeOptions(sparsity="dense")), 16)
     got = {}
-    for mode in ("dense", "down:0.5", "predicted:0.99"):
-        m = Model(path, RuntimeOptions(sparsity=mode))
-        m.forward(ids)
-        got[mode] = (m.weight_bytes_per_token(), m.counters.fractions())
-    dense = got["dense"][0]
-    _, (gu, dn) = got["down:0.5"]
-    assert gu == 1.0 and got["down:0.5"][0] == pytest.approx(dense - down * (1 - dn))
-    _, (gu, dn) = got["predicted:0.99"]
-    assert got["predicted:0.99"][0] == pytest.approx(dense - gate_up * (1 - gu) - down * (1 - dn) + pred)
+    for mode, kernels in (("dense", False), ("down:0.5", False), ("predicted:0.99", False), ("predicted:0.99", True)):
+        m = Model(path, RuntimeOptions(sparsity=mode, kernels=kernels, threads=1))
+        m.forward(ids[:4])
+        m.counters.reset()
+        for t in ids[4:]:
+            m.forward([t])
+        got[mode, kernels] = (m.weight_bytes_per_token(), m.counters.fractions())
+    dense = got["dense", False][0]
+    _, (gu, dn) = got["down:0.5", False]
+    assert gu == 1.0 and dn < 0.6
+    assert got["down:0.5", False][0] == pytest.approx(dense)
+    assert got["predicted:0.99", False][0] == pytest.approx(dense + pred)
+    _, (gu, dn) = got["predicted:0.99", True]
+    assert gu < 1.0 and dn < 1.0
+    assert got["predicted:0.99", True][0] == pytest.approx(dense - gate_up * (1 - gu) - down * (1 - dn) + pred)
 
 
 def test_bad_sparsity_and_calibration_input_get_one_sentence(silu_file, tmp_path):
@@ -247,8 +254,9 @@ def test_mixed_keeps_the_planned_hot_prefix_in_fp16(tmp_path):
             fmt, cold = r["mixed"].block(other.format(i))
             ref_fmt, ref = r["int4"].block(base.format(i))
             assert fmt == ref_fmt
-            if fmt != "q4r":        # row groups of 32 cut at 256: the same rows
-                assert all(np.array_equal(cold[p], ref[p][hot:]) for p in cold)
+            # the cold rows are the int4 file's rows from `hot` on; q4r's scales come per 32 rows
+            per = {p: S.GROUP if fmt == "q4r" and p != "q" else 1 for p in cold}
+            assert all(np.array_equal(cold[p], ref[p][hot // per[p]:]) for p in cold)
     logits = {q: Model(p, RuntimeOptions()).forward(list(range(1, 40)), logits_from=0) for q, p in files.items()}
     err = {q: np.abs(logits[q] - logits["fp16"]).max() for q in ("mixed", "int4")}
     assert np.isfinite(logits["mixed"]).all() and 0 < err["mixed"] < err["int4"], err

@@ -112,20 +112,15 @@ def test_sparse_ffn_matches_numpy(isa, gu_fmt, dn_fmt, mode, act, n, d):
     thr = gap_threshold(np.abs(h), 0.3)
     want, keep, _ = reference(gf, G_, U_, W, x, act, mode, thr, cand)
 
+    # layers this small run on one thread whatever `threads` says (PARALLEL_WORK); thread
+    # independence is tested on a layer large enough to split, below
     ffn = SparseFFN((gf, gparts), (df, dparts), n, d, act=act, predictor=pred)
-    outs = []
-    for threads in (1, 2, 3):
-        ffn.threads = threads
-        y = np.full(d, np.nan, np.float32)
-        counts = ffn(x, y, mode, thr, pred_thr)
-        outs.append(y)
-        idx, _ = ffn.survivors()
-        assert counts == (n if cand is None else len(cand), len(keep))
-        assert np.array_equal(idx, keep)
-    scale = np.abs(want).max() + 1e-6
-    np.testing.assert_allclose(outs[0], want, rtol=0, atol=2e-4 * scale)
-    for y in outs[1:]:
-        np.testing.assert_array_equal(y, outs[0])
+    y = np.full(d, np.nan, np.float32)
+    counts = ffn(x, y, mode, thr, pred_thr)
+    idx, _ = ffn.survivors()
+    assert counts == (n if cand is None else len(cand), len(keep))
+    assert np.array_equal(idx, keep)
+    np.testing.assert_allclose(y, want, rtol=0, atol=2e-4 * (np.abs(want).max() + 1e-6))
 
 
 @pytest.mark.parametrize("isa", AVAILABLE)
@@ -156,6 +151,8 @@ def test_empty_and_full_candidate_sets(isa):
 
 def test_int8_dot_products_agree_across_instruction_sets():
     """The integer group sums are exact on every path; only the float combination may differ."""
+    if len(AVAILABLE) < 2:
+        pytest.skip(f"this CPU has only the {BEST} path, so there is nothing to compare")
     n, d = 64, 4096 + 96          # a chunk tail of three groups
     gf, gparts, G_, U_ = gate_up("q4", n, d)
     df, dparts, W = down("q4", n, d)

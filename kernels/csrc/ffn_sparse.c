@@ -266,13 +266,6 @@ static float dot_q8(const uint8_t *q, const uint16_t *scale, const float *x, int
     return s;
 }
 
-typedef struct {
-    const uint8_t *w1q, *w2q;
-    const uint16_t *w1s, *w2s;
-    const float *b2;
-    int64_t r;
-} predictor_t;
-
 /* -- the layer ------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -281,7 +274,7 @@ typedef struct {
     const uint16_t *gu_scale, *gu_min;
     const void *dn_q;
     const uint16_t *dn_scale, *dn_min;
-    int64_t n, d;
+    int64_t d;
 } ffn_t;
 
 static float activate(int act, float g) { return act == ACT_RELU ? (g > 0.0f ? g : 0.0f) : g / (1.0f + expf(-g)); }
@@ -545,7 +538,7 @@ int pinfer_ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint
                      int64_t *counts, int threads) {
     if (d % G || n % G || d > MAX_D || r % G) return -1;
     if (isa < 0) pinfer_sparse_isa(-1);
-    const ffn_t f = {gu_fmt, down_fmt, act, gu_q, gu_scale, gu_min, dn_q, dn_scale, dn_min, n, d};
+    const ffn_t f = {gu_fmt, down_fmt, act, gu_q, gu_scale, gu_min, dn_q, dn_scale, dn_min, d};
     /* quantized x: d bytes, then d/G scales, d/8 lane scales, d/G sums */
     float *buf = malloc((size_t)d + (size_t)(d / G * 2 + d / 8) * sizeof(float) + (size_t)r * sizeof(float));
     if (!buf) return -1;
