@@ -104,7 +104,7 @@ def main():
                 convert(ConvertOptions(a.model, pinf, passes=DENSE))
         rows = []
         for threads in [int(x) for x in a.threads.split(",")]:
-            model = Model(pinf, RuntimeOptions(threads=threads, n_ctx=512))
+            model = Model(pinf, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
             modes = ", ".join(model.sparsity_names)
             pinfer_decode(model, 8)  # warm up
             ours, theirs = [], []

@@ -66,7 +66,7 @@ def main(argv=None):
     n_ctx = 16 + max(a.tokens, a.ppl_tokens)
     rows = []
     for threads in map(int, a.threads.split(",")):
-        models = [Model(a.model, RuntimeOptions(n_ctx=n_ctx, threads=threads, sparsity=o, kernels=k))
+        models = [Model(a.model, RuntimeOptions(n_ctx=n_ctx, threads=threads, sparsity=o, kernels=k, device="cpu"))
                   for _, _, o, k in variants]
         tok = Tokenizer.from_spec(models[0].tokenizer_spec)
         prompt = tok.encode("The capital of France is")

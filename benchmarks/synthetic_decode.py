@@ -133,6 +133,24 @@ def llamacpp_rate(py, gguf_path, threads, n):
     return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
 
 
+def synthetic_model(shape, n_layer, cache):
+    """(GGUF, .pinf) of the synthetic model, written and converted (--sparsity none) on first use."""
+    from pinfer.converter.convert import ConvertOptions, convert
+    from pinfer.converter.passes import DENSE
+
+    cache.mkdir(parents=True, exist_ok=True)
+    gguf_path = cache / f"synthetic-{shape}-{n_layer}L.Q4_0.gguf"
+    if not gguf_path.exists():
+        t = time.perf_counter()
+        write_gguf(gguf_path, shape, n_layer)
+        print(f"wrote {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
+              file=sys.stderr)
+    pinf = gguf_path.with_suffix(".pinf")
+    if not pinf.exists():
+        convert(ConvertOptions(gguf_path, pinf, passes=DENSE))
+    return gguf_path, pinf
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=list(SHAPES), default="7b")
@@ -146,24 +164,13 @@ def main(argv=None):
     ap.add_argument("--cache", type=Path, default=CACHE)
     a = ap.parse_args(argv)
 
-    from pinfer.converter.convert import ConvertOptions, convert
-    from pinfer.converter.passes import DENSE
     from pinfer.runtime.model import Model, RuntimeOptions
 
-    a.cache.mkdir(parents=True, exist_ok=True)
-    gguf_path = a.cache / f"synthetic-{a.shape}-{a.layers}L.Q4_0.gguf"
-    if not gguf_path.exists():
-        t = time.perf_counter()
-        write_gguf(gguf_path, a.shape, a.layers)
-        print(f"wrote {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
-              file=sys.stderr)
-    pinf = gguf_path.with_suffix(".pinf")
-    if not pinf.exists():
-        convert(ConvertOptions(gguf_path, pinf, passes=DENSE))
+    gguf_path, pinf = synthetic_model(a.shape, a.layers, a.cache)
     actives = [float(x) for x in a.active.split(",")]
     rows = []
     for threads in (int(x) for x in a.threads.split(",")):
-        m = Model(pinf, RuntimeOptions(threads=threads, n_ctx=256))
+        m = Model(pinf, RuntimeOptions(threads=threads, n_ctx=256, device="cpu"))
         rng = np.random.default_rng(threads)
         profiles = {f: power_law(m.cfg.n_ff, f, a.alpha) for f in actives}
         rates = {name: [] for name in ["dense"] + [f"sparse {f:.0%}" for f in actives]}

@@ -46,6 +46,12 @@ def runtime_options(f):
     f = click.option("--ffn-kernel", is_flag=True,
                      help="Decode sparse layers with pinfer's fused FFN kernel (benchmarks/sparse_decode.py "
                           "measures whether it beats the default path on your model and CPU).")(f)
+    f = click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+                     help="Where the FFN's hot neurons run: gpu (hot on an NVIDIA GPU, cold on the CPU; needs "
+                          "pinfer[gpu]), cpu, or auto (the GPU when one is found).")(f)
+    f = click.option("--vram-budget", type=float, default=None, metavar="GIB",
+                     help="GiB of VRAM the GPU part may use (default: free VRAM minus 0.5 GiB); the plan is "
+                          "printed at load.")(f)
     return f
 
 
@@ -54,7 +60,8 @@ def runtime_config(kw):
 
     return RuntimeOptions(n_ctx=kw["n_ctx"], threads=kw["threads"],
                           sparsity="dense" if kw.get("dense") else kw.get("sparsity", ""),
-                          kernels=bool(kw.get("ffn_kernel")))
+                          kernels=bool(kw.get("ffn_kernel")), device=kw.get("device") or "auto",
+                          vram_budget=kw.get("vram_budget"))
 
 
 def sampling_options(f):

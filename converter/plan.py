@@ -95,29 +95,12 @@ def choose(result, points, bytes_of, budget, forced=None):
 
 def placement(cfg, freq, neuron_bytes, fixed_bytes, target_bytes, block=256):
     """Default hot/cold split for a VRAM budget: the largest per-layer prefixes (blocks of
-    `block` neurons) by activation frequency that fit after the dense part.
-
-    freq (n_layer, n_ff) in file order; neuron_bytes (n_layer,) bytes of one neuron's bundle rows.
-    Returns per-layer hot neuron counts. Frequencies are sorted hottest first in reordered layers,
-    so the greedy merge of block masses is the global top-k that PowerInfer's solver computes."""
+    `block` neurons) by activation frequency per byte that fit after the dense part, ranked as the
+    runtime ranks them at load (runtime/placement.py), here with the bundle's average bytes per
+    neuron. freq (n_layer, n_ff) in file order; neuron_bytes (n_layer,). Returns per-layer hot
+    neuron counts."""
+    from pinfer.runtime.placement import plan_hot
     free = target_bytes - fixed_bytes
-    hot = np.zeros(len(freq), np.int64)
     if free <= 0:
-        return hot
-    n_ff = freq.shape[1]
-    starts = list(range(0, n_ff, block))
-    mass = np.array([[freq[l, s:s + block].sum() for s in starts] for l in range(len(freq))])
-    nxt = np.zeros(len(freq), np.int64)
-    while True:
-        cand = [(mass[l, nxt[l]] / max(1.0, neuron_bytes[l]), l) for l in range(len(freq)) if nxt[l] < len(starts)]
-        if not cand:
-            break
-        _, l = max(cand)
-        size = min(block, n_ff - starts[nxt[l]])
-        cost = size * neuron_bytes[l]
-        if cost > free:
-            break
-        free -= cost
-        hot[l] += size
-        nxt[l] += 1
-    return hot
+        return np.zeros(len(freq), np.int64)
+    return plan_hot(np.asarray(freq, np.float64), lambda layer, k: k * float(neuron_bytes[layer]), free, block)

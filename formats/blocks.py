@@ -173,3 +173,13 @@ def concat_rows(blocks):
     if fmt == "q4" and "min" in names:
         blocks = [(f, with_min(p)) for f, p in blocks]
     return fmt, {n: np.concatenate([p[n] for _, p in blocks], axis=0) for n in names}
+
+
+def row_slice(fmt, parts, start, stop):
+    """Rows [start, stop) of a weight's parts (leading axis: rows); the "r" formats' scale and min,
+    one row per group of 32 rows, by groups (start and stop multiples of 32 there)."""
+    if fmt in ("q4r", "q8r"):
+        if start % GROUP or stop % GROUP:
+            raise ValueError(f"rows {start}:{stop} of a {fmt} weight must start and stop on groups of {GROUP}")
+        return {k: v[start:stop] if k == "q" else v[start // GROUP:stop // GROUP] for k, v in parts.items()}
+    return {k: v[start:stop] for k, v in parts.items()}

@@ -9,6 +9,7 @@ and per K/V, bound as both past and present (GroupQueryAttention writes in place
 """
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -19,8 +20,9 @@ import onnxruntime as ort
 from pinfer.formats import PinfReader, blocks
 from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig
-from pinfer.kernels import DownProjection, SparseFFN
+from pinfer.kernels import DownProjection
 
+from . import hybrid, placement
 from .sparse import Counters, LayerRule, Rule
 
 
@@ -34,6 +36,16 @@ class RuntimeOptions:
     # Off by default: on SmolLM2 it decodes slower than the dense path (benchmarks/sparse_decode.py);
     # at LLaMA-7B's shape with 10% active it is 1.9x faster (benchmarks/synthetic_decode.py).
     kernels: bool = False
+    # Where the FFN's hot neurons run: "gpu" (hybrid: hot on the GPU, cold on the CPU), "cpu", or
+    # "auto" (the GPU where cuda-python finds one). "cpu-split" plans a split like "gpu" but runs
+    # the hot half on a second CPU kernel: it checks the split and the merge without a GPU.
+    device: str = "auto"
+    vram_budget: float | None = None   # GiB for the GPU part; None: free VRAM minus a margin
+    deterministic: bool = False        # the GPU's down projection in a fixed order (tests)
+    # Where the dense part (attention, norms, head) runs: "auto" (ONNX Runtime's CUDA provider in
+    # FP16 when the FFN runs on a GPU and onnxruntime-gpu is installed, else its CPU provider),
+    # "cpu", "gpu", or "cpu-fp16" (the FP16 graphs on the CPU provider: tests the conversion).
+    dense_device: str = "auto"
 
 
 DEFAULT_CTX = 4096
@@ -138,8 +150,35 @@ class SplitDown:
         return run
 
 
+class Buf:
+    """An activation or cache buffer as an OrtValue: in host memory (with a NumPy view) or on the
+    GPU the dense part runs on (ONNX Runtime allocates it; `ptr` is its device address)."""
+
+    def __init__(self, shape, dtype, device="cpu"):
+        self.shape, self.dtype, self.device = tuple(shape), np.dtype(dtype), device
+        if device == "cpu":
+            self.np = np.zeros(shape, dtype)
+            self.ov = ort.OrtValue.ortvalue_from_numpy(self.np)
+        else:
+            self.np = None
+            self.ov = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype.type, "cuda", 0)
+        self.ptr = self.ov.data_ptr()
+
+    def write(self, array):
+        if self.np is not None:
+            self.np[...] = array
+        else:
+            self.ov.update_inplace(np.ascontiguousarray(array, self.dtype).reshape(self.shape))
+
+    def zero(self):
+        self.write(np.zeros(self.shape, self.dtype)) if self.np is None else self.np.fill(0)
+
+    def read(self):
+        return self.np if self.np is not None else self.ov.numpy()
+
+
 class _Bound:
-    """A session with one IOBinding whose inputs and outputs are NumPy arrays bound by name."""
+    """A session with one IOBinding whose inputs and outputs are NumPy arrays or Bufs, by name."""
 
     def __init__(self, session):
         self.sess = session
@@ -150,11 +189,11 @@ class _Bound:
 
     def bind_in(self, name, array):
         self.keep[name] = array
-        self.io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        self.io.bind_ortvalue_input(name, array.ov if isinstance(array, Buf) else ort.OrtValue.ortvalue_from_numpy(array))
 
     def bind_out(self, name, array):
         self.keep["out:" + name] = array
-        self.io.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+        self.io.bind_ortvalue_output(name, array.ov if isinstance(array, Buf) else ort.OrtValue.ortvalue_from_numpy(array))
 
     def run(self):
         self._run(self.io._iobinding, self._ro)
@@ -176,17 +215,33 @@ class Model:
             raise ValueError(f"the context of {self.n_ctx} tokens is longer than the {len(self.pos)} positions "
                              "this model learned; pass a smaller -c/--ctx-size")
 
-        self.layers = [self._session(S.LAYER_GRAPH.format(i), self.threads) for i in range(cfg.n_layer)]
+        self.options = options
+        self.gpu, self.plan, self.ffns = None, None, []
+        self.device = self._choose_device(options)
+        self.dense_device = self._choose_dense_device(options)
+        self.act_dtype = np.float16 if self.dense_device != "cpu" else np.float32   # resid, KV, RoPE tables
+        self.act_at = "cuda" if self.dense_device == "gpu" else "cpu"
+
+        self.dense_gpu_bytes = 0     # weights ONNX Runtime's CUDA provider holds
+        # With the dense part on the GPU only the attention graphs go there (the full graphs would
+        # copy every gate/up row into VRAM): every token, prompt ones too, takes the decode path.
+        gpu_dense = self.dense_device == "gpu"
+        self.layers = [self._session(S.LAYER_GRAPH.format(i), self.threads, attention_only=gpu_dense)
+                       for i in range(cfg.n_layer)]
         self.head = self._session(S.HEAD_GRAPH, self.threads)
-        self.downs = [self._down(i) for i in range(cfg.n_layer)]
+        self.downs = [None if gpu_dense else self._down(i) for i in range(cfg.n_layer)]
         self.counters = Counters()
         self.use_kernels = options.kernels
-        self.attn = None        # attention-only sessions for kernel decode, made on first need
+        self.attn = self.layers if gpu_dense else None   # attention-only sessions, made on first need
 
         kv_shape = (1, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
-        self.kv = [(np.zeros(kv_shape, np.float32), np.zeros(kv_shape, np.float32)) for _ in range(cfg.n_layer)]
+        self.kv = [(Buf(kv_shape, self.act_dtype, self.act_at), Buf(kv_shape, self.act_dtype, self.act_at))
+                   for _ in range(cfg.n_layer)]
         freqs = r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None
-        self.cos, self.sin = rope_tables(cfg, self.n_ctx, freqs)
+        tables = rope_tables(cfg, self.n_ctx, freqs)
+        self.cos, self.sin = (Buf(t.shape, self.act_dtype, self.act_at) for t in tables)
+        for buf, table in zip((self.cos, self.sin), tables):
+            buf.write(table)
         self.seqlens = np.zeros(1, np.int32)     # GroupQueryAttention: total length - 1
         self.total = np.zeros((), np.int32)      # total length after this call
         self._bind_state(self.layers)
@@ -201,7 +256,12 @@ class Model:
         file's per-layer modes with ""."""
         self.rules = [LayerRule(self.reader, self.reader.header, i, self._rule(i, override), self.counters)
                       for i in range(self.cfg.n_layer)]
+        self._release_gpu()
+        if self.device != "cpu":
+            self.plan = self._plan([rule.rule.mode for rule in self.rules])
         self.ffns = [self._sparse_ffn(i) for i in range(self.cfg.n_layer)]
+        if self.device != "cpu":
+            self._report_vram()
         if any(self.ffns):
             self._attention_sessions()
         self._shape = None      # the bound steps call the rules: bind again
@@ -215,35 +275,135 @@ class Model:
     def set_active_sets(self, draw):
         """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending
         int32 indices) instead of the file's rule: synthetic active sets, for benchmarks of models
-        that have no trained predictors (benchmarks/synthetic_decode.py). set_sparsity() undoes it."""
-        r, cfg = self.reader, self.cfg
-        self.ffns = [(SparseFFN(r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i)), cfg.n_ff,
-                                cfg.d_model, cfg.ffn_act, None, self.threads), "given", 0.0, 0.0)
-                     for i in range(cfg.n_layer)]
+        that have no trained predictors (benchmarks/synthetic_decode.py), split between GPU and CPU
+        as the device plans it for dense layers. set_sparsity() undoes it."""
+        cfg = self.cfg
+        self._release_gpu()
+        if self.device != "cpu":
+            self.plan = self._plan(["given"] * cfg.n_layer)
+        self.ffns = [(self._layer_ffn(i, "given"), "given", 0.0, 0.0) for i in range(cfg.n_layer)]
+        if self.device != "cpu":
+            self._report_vram()
         self.draw = draw
         self._attention_sessions()
         self._shape = None
 
     def _sparse_ffn(self, i):
-        """The fused kernel for layer i's decode, or None where the ONNX graph and NumPy rule run:
-        dense layers (ONNX Runtime's MatMulNBits is the faster dense path), formats or shapes the
-        kernel lacks, and --quant mixed splits."""
+        """The fused kernel (or the hybrid) for layer i's decode, or None where the ONNX graph and
+        NumPy rule run: dense layers with no hot neurons (ONNX Runtime's MatMulNBits is the faster
+        dense path), formats or shapes the kernel lacks, and --quant mixed splits."""
         rule, r, cfg = self.rules[i], self.reader, self.cfg
-        if (not self.use_kernels or rule.rule.mode == "dense" or S.FFN_GATE_UP_COLD.format(i) in r.header["weights"]
+        hot = self.plan.hot[i] if self.plan else 0
+        fused = self.use_kernels or hot or self.dense_device == "gpu"   # the GPU's decode has no other FFN path
+        if (not fused or (rule.rule.mode == "dense" and not hot and self.dense_device != "gpu")
+                or S.FFN_GATE_UP_COLD.format(i) in r.header["weights"]
                 or not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu") or S.FFN_GATE_UP_BIAS.format(i) in r):
             return None
-        gate_up, down = r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i))
-        predictor = None
-        if rule.rule.mode in ("predicted", "relu"):
-            predictor = (r.block(S.FFN_PRED_W1.format(i))[1], r.block(S.FFN_PRED_W2.format(i))[1],
-                         r.tensor(S.FFN_PRED_B2.format(i)))
         try:
-            ffn = SparseFFN(gate_up, down, cfg.n_ff, cfg.d_model, cfg.ffn_act, predictor, self.threads)
+            ffn = self._layer_ffn(i, rule.rule.mode)
         except ValueError:
             return None
         thr = float(rule.threshold) if rule.threshold is not None else 0.0
         pthr = float(rule.pred[3]) if rule.pred is not None else 0.0
         return ffn, rule.rule.mode, thr, pthr
+
+    def _layer_ffn(self, i, mode):
+        """Layer i's fused FFN for `mode`: the CPU kernel, or the hybrid of the plan's hot neurons
+        on the GPU (or a second CPU kernel with device cpu-split) and the rest on the CPU."""
+        r, cfg = self.reader, self.cfg
+        parts = (r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i)), None)
+        if mode in ("predicted", "relu"):
+            parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i))[1], r.block(S.FFN_PRED_W2.format(i))[1],
+                                  r.tensor(S.FFN_PRED_B2.format(i))),)
+        k = self.plan.hot[i] if self.plan else 0
+        if self.device == "gpu":
+            from pinfer.kernels.gpu import HotFFN
+            spec = self.plan_specs[i][0]
+            make = lambda gu, dn, pred: HotFFN(self.gpu, spec, k, gu, dn, pred, cfg.ffn_act,   # noqa: E731
+                                               self.options.deterministic)
+        else:
+            make = hybrid.cpu_hot_factory(k, cfg.d_model, cfg.ffn_act, self.threads)
+        return hybrid.build(parts, k, cfg.n_ff, cfg.d_model, cfg.ffn_act, self.threads, make)
+
+    # -- the GPU ---------------------------------------------------------------------------------
+    def _choose_device(self, options):
+        if options.device not in ("auto", "cpu", "gpu", "cpu-split"):
+            raise ValueError(f"device {options.device!r} is not one of auto, cpu, gpu")
+        if options.device in ("cpu", "cpu-split"):
+            return options.device
+        from pinfer.kernels.gpu import Gpu, GpuError
+        try:
+            self.gpu = Gpu()
+        except GpuError as e:
+            if options.device == "gpu":
+                raise
+            if options.verbose:
+                print(f"pinfer: running on the CPU ({e})", file=sys.stderr)
+            return "cpu"
+        return "gpu"
+
+    def _choose_dense_device(self, options):
+        want = options.dense_device
+        if want not in ("auto", "cpu", "gpu", "cpu-fp16"):
+            raise ValueError(f"dense device {want!r} is not one of auto, cpu, gpu")
+        if want in ("cpu", "cpu-fp16"):
+            return want
+        from pinfer.kernels.gpu import GpuError
+        why = None
+        if self.device != "gpu":
+            why = "the FFN runs on the CPU"
+        elif "CUDAExecutionProvider" not in ort.get_available_providers():
+            why = "this onnxruntime has no CUDA provider (install onnxruntime-gpu in its place)"
+        elif any(spec is None for spec, _ in placement.layer_specs(self.reader, self.cfg, ["dense"] * self.cfg.n_layer)):
+            why = "some layers' FFNs are not ones the GPU kernels take"
+        if why and want == "gpu":
+            raise GpuError(f"the dense part cannot run on the GPU: {why}")
+        return "cpu" if why else "gpu"
+
+    def _plan(self, modes):
+        """The hot/cold split for this machine, printed before the weights move."""
+        budget = self.options.vram_budget
+        if budget is None:
+            if self.gpu is None:
+                raise ValueError("device cpu-split needs a vram_budget to plan for")
+            free, _ = self.gpu.mem_info()   # the dense part, if there, is in VRAM already
+            budget_bytes = max(0, free - placement.MARGIN + self._dense_reserved().get("dense weights", 0)
+                               + self._dense_reserved().get("KV cache", 0))
+        else:
+            if budget < 0:
+                raise ValueError(f"--vram-budget {budget:g} GiB is negative; give the GiB the GPU may use")
+            budget_bytes = int(budget * placement.GIB)
+        self.plan_specs = placement.layer_specs(self.reader, self.cfg, modes)
+        plan = placement.plan(self.reader, self.cfg, modes, budget_bytes, self._dense_reserved())
+        if self.device == "gpu" or self.options.verbose:
+            where = (f"GPU {self.gpu.name} (sm_{self.gpu.arch}, kernels {self.gpu.compiled.kind} "
+                     f"{'from the cache' if self.gpu.compiled.cached else 'compiled now'})" if self.gpu
+                     else "a second CPU kernel (cpu-split)")
+            dense = ("the GPU (ONNX Runtime's CUDA provider, FP16)" if self.dense_device == "gpu"
+                     else "the CPU (ONNX Runtime's CPU provider)")
+            print(f"{plan.describe()}\n  hot part on {where}; dense part and KV cache on {dense}", file=sys.stderr)
+        self._free_before = self.gpu.mem_info()[0] if self.gpu else 0
+        return plan
+
+    def _dense_reserved(self):
+        """VRAM the dense part holds before the FFN gets any: {} when it runs on the CPU."""
+        if self.dense_device != "gpu":
+            return {}
+        kv = sum(2 * int(np.prod(k.shape)) * k.dtype.itemsize for k, _ in self.kv)    # K and V
+        return {"dense weights": self.dense_gpu_bytes, "KV cache": kv, "scratch": placement.DENSE_SCRATCH}
+
+    def _report_vram(self):
+        if self.gpu is None:
+            return
+        used = self._free_before - self.gpu.mem_info()[0]
+        print(f"VRAM: planned {self.plan.total / 2**20:,.1f} MiB, allocated {self.gpu.allocated / 2**20:,.1f} MiB "
+              f"(the device's free memory fell by {used / 2**20:,.1f} MiB)", file=sys.stderr)
+
+    def _release_gpu(self):
+        for entry in self.ffns or []:
+            hot = getattr(entry[0], "hot", None) if entry else None
+            if hasattr(hot, "close"):
+                hot.close()
 
     def _rule(self, layer, override):
         if override:
@@ -294,14 +454,33 @@ class Model:
         proto = onnx.load_from_string(self.reader.graph_bytes(graph))
         if attention_only:
             _drop_output(proto.graph, "ffn_h")
+        halved = set()
+        if self.dense_device != "cpu":
+            from .fp16 import to_fp16
+            halved = set(to_fp16(proto, keep_f32=("delta", "ffn_x", "ffn_h", "logits")))
         names, values = [], []
         for t in proto.graph.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL:
                 names.append(t.name)
-                values.append(ort.OrtValue.ortvalue_from_numpy(self.reader.tensor(t.name)))
+                a = self.reader.tensor(t.name)
+                a = a.astype(np.float16) if t.name in halved else a
+                values.append(ort.OrtValue.ortvalue_from_numpy(a))
+                self.dense_gpu_bytes += a.nbytes if self.dense_device == "gpu" else 0
         so = _session_options(threads)
         so.add_external_initializers(names, values)
-        sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        if self.dense_device == "cpu-fp16":
+            so.log_severity_level = 3   # the CPU provider lacks some FP16 kernels and says so per node
+        providers = ["CPUExecutionProvider"]
+        if self.dense_device == "gpu":
+            # one stream for ONNX Runtime's kernels and pinfer's: no event needed between them
+            providers = [("CUDAExecutionProvider", {"device_id": "0",
+                                                    "user_compute_stream": str(int(self.gpu.stream))}),
+                         "CPUExecutionProvider"]
+        sess = ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
+        if self.dense_device == "gpu" and sess.get_providers()[0] != "CUDAExecutionProvider":
+            from pinfer.kernels.gpu import GpuError
+            raise GpuError("ONNX Runtime could not start its CUDA provider (are CUDA 13 and cuDNN 9 installed? "
+                           "see README.md); run with --device cpu, or fix the CUDA install")
         bound = _Bound(sess)
         bound.keep["initializers"] = values   # ORT uses these buffers; keep them alive
         return bound
@@ -313,11 +492,14 @@ class Model:
             return
         d = self.cfg.d_model
         # resid ping-pongs (layer i reads resid[i % 2]); delta and h are reused by every layer:
-        # layer i consumes delta before its down projection overwrites it.
-        self.resid = [np.zeros((1, n, d), np.float32) for _ in range(2)]
-        self.delta = np.zeros((1, n, d), np.float32)
+        # layer i consumes delta before its down projection overwrites it. With the dense part on
+        # the GPU, resid stays there, and so do x and delta in decode, where every layer's FFN
+        # step reads and writes device memory; prefill's FFN runs on the host buffers.
+        on_gpu = self.act_at == "cuda" and n == 1
+        self.resid = [Buf((1, n, d), self.act_dtype, self.act_at) for _ in range(2)]
+        self.delta = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
+        self.x = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
         self.h = np.zeros((1, n, self.cfg.n_ff), np.float32)
-        self.x = np.zeros((1, n, d), np.float32)
         self.steps = []
         for i, layer in enumerate(self.layers):
             kernel = n == 1 and self.ffns[i] is not None     # decode: the fused FFN kernel
@@ -330,15 +512,19 @@ class Model:
             layer.bind_out("resid_out", self.resid[(i + 1) % 2])
             layer.bind_out("ffn_x", self.x)
             if kernel:
-                self.steps += [layer.run, self._kernel_step(i)]
+                self.steps += [layer.run, self._kernel_step(i, on_gpu)]
             else:
-                self.steps += [layer.run, self.rules[i].bind(self.x[0], self.h[0]),
-                               self.downs[i].bind(self.h[0], self.delta[0])]
+                self.steps += [layer.run, self.rules[i].bind(self.x.np[0], self.h[0]),
+                               self.downs[i].bind(self.h[0], self.delta.np[0])]
         self._shape = n
 
-    def _kernel_step(self, i):
+    def _kernel_step(self, i, on_gpu=False):
         ffn, mode, thr, pthr = self.ffns[i]
-        run, c, n_ff = ffn.bind(self.x[0, 0], self.delta[0, 0], mode, thr, pthr), self.counters, self.cfg.n_ff
+        if on_gpu:
+            run = hybrid.bind_device(self.gpu, ffn, self.x.ptr, self.delta.ptr, mode, thr, pthr)
+        else:
+            run = ffn.bind(self.x.np[0, 0], self.delta.np[0, 0], mode, thr, pthr)
+        c, n_ff = self.counters, self.cfg.n_ff
         given = ffn.set_candidates if mode == "given" else None
         draw = self.draw if given else None
 
@@ -363,23 +549,28 @@ class Model:
             raise ValueError("forward() needs at least one token")
         if self.n_past + n > self.n_ctx:
             raise ContextFull(self.n_past, n, self.n_ctx)
+        if n > 1 and self.dense_device == "gpu":
+            start = n - 1 if logits_from is None else logits_from
+            rows = [self.forward([t]) for t in tokens]
+            return np.concatenate(rows[start:])
         self._bind_activations(n)
-        self.resid[0][0] = self.embed(tokens)
+        rows = self.embed(tokens)
         if self.pos is not None:
-            self.resid[0][0] += self.pos[self.n_past:self.n_past + n]
-        self.delta.fill(0)
+            rows += self.pos[self.n_past:self.n_past + n]
+        self.resid[0].write(rows[None])
+        self.delta.zero()
         self.seqlens[0] = self.n_past + n - 1
         self.total[()] = self.n_past + n
         for step in self.steps:
             step()
         self.n_past += n
         start = n - 1 if logits_from is None else logits_from
-        return self.head_logits(self.resid[self.cfg.n_layer % 2][:, start:], self.delta[:, start:])
+        return self.head_logits(self.resid[self.cfg.n_layer % 2].read()[:, start:], self.delta.read()[:, start:])
 
     def head_logits(self, resid, delta):
         m = resid.shape[1]
         if self._head_shape != m:
-            self._head_in = (np.empty((1, m, self.cfg.d_model), np.float32),
+            self._head_in = (np.empty((1, m, self.cfg.d_model), self.act_dtype),
                              np.empty((1, m, self.cfg.d_model), np.float32))
             self._logits = np.empty((1, m, self.cfg.vocab), np.float32)
             self.head.bind_in("resid", self._head_in[0])

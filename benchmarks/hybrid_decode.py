@@ -1,0 +1,77 @@
+"""Decode speed with each layer's FFN split between an NVIDIA GPU (hot neurons) and the CPU (cold
+ones): CPU only vs hybrid with about 30% and 60% of the FFN in VRAM vs the whole FFN on the GPU,
+in one run, on a synthetic INT4 model in LLaMA-13B's shapes whose active sets follow a power law.
+
+    python benchmarks/hybrid_decode.py [--shape 13b] [--layers 8] [--active 0.10] [--shares 0.3,0.6]
+        [--threads 4] [--tokens 32] [--repeats 3]
+
+The model and its active sets are benchmarks/synthetic_decode.py's (random Q4_0 weights, neuron j
+fires with probability min(1, c (j+1)^-alpha) in the hot-first order). --vram-budget is set for
+each share from the planner's own byte count (runtime/placement.py), and the plan is printed.
+Attention, norms and the head run on ONNX Runtime's CPU provider in every column: only the FFN's
+hot neurons move to the GPU. Needs a GPU and pinfer[gpu]; prints one sentence and exits 2 without.
+"""
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from synthetic_decode import CACHE, SHAPES, decode_rate, draws, power_law, synthetic_model  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=list(SHAPES), default="13b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--active", type=float, default=0.10)
+    ap.add_argument("--alpha", type=float, default=1.0)
+    ap.add_argument("--shares", default="0.3,0.6", help="FFN shares to fit in VRAM besides 0 and 1")
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache", type=Path, default=CACHE)
+    ap.add_argument("--device", choices=["gpu", "cpu-split"], default="gpu",
+                    help="cpu-split: the hot half on a second CPU kernel, a check of this script without a GPU")
+    a = ap.parse_args(argv)
+
+    from pinfer.kernels.gpu import GpuError
+    from pinfer.runtime import placement
+    from pinfer.runtime.model import Model, RuntimeOptions
+
+    _, pinf = synthetic_model(a.shape, a.layers, a.cache)
+    try:
+        m = Model(pinf, RuntimeOptions(threads=a.threads, n_ctx=256, device=a.device, vram_budget=0.0))
+    except GpuError as e:
+        print(f"hybrid_decode: {e}", file=sys.stderr)
+        sys.exit(2)
+    cfg, n_ff = m.cfg, m.cfg.n_ff
+    spec = placement.layer_specs(m.reader, cfg, ["given"] * cfg.n_layer)[0][0]
+    p = power_law(n_ff, a.active, a.alpha)
+    rng = np.random.default_rng(0)
+    rows = []
+    for share in [0.0] + [float(s) for s in a.shares.split(",")] + [1.0]:
+        k = min(n_ff, int(round(share * n_ff / 64)) * 64)
+        budget = (spec.nbytes(k) * cfg.n_layer + 4096) / placement.GIB    # + rounding slack
+        m.options = replace(m.options, vram_budget=budget)
+        draw, _ = draws(p, cfg.n_layer, a.tokens * a.repeats, rng)
+        m.set_active_sets(draw)         # plans, prints the plan, moves the hot neurons
+        rates = [decode_rate(m, a.tokens) for _ in range(a.repeats)]
+        hot = sum(m.plan.hot) / (cfg.n_layer * n_ff)
+        mass = float(np.mean([p[:h].sum() / p.sum() for h in m.plan.hot]))
+        rows.append((share, hot, mass, m.plan.total / 2**20, statistics.median(rates)))
+    base = rows[0][-1]
+    print(f"\n{a.shape}-shaped, {a.layers} layers, Q4_0; {a.active:.0%} active, power-law alpha {a.alpha}; "
+          f"{a.threads} CPU threads; hot part on {m.gpu.name if m.gpu else a.device}; {a.tokens} tokens x {a.repeats} repeats (median)\n")
+    print("| FFN share asked | hot neurons | active mass on GPU | VRAM planned | tok/s | vs CPU only |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for share, hot, mass, mib, tok_s in rows:
+        print(f"| {share:.0%} | {hot:.1%} | {mass:.1%} | {mib:,.0f} MiB | {tok_s:.2f} | {tok_s / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

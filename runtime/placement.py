@@ -1,0 +1,149 @@
+"""Where each layer's FFN neurons run: the hot prefix of every layer on the GPU, the rest on the
+CPU, planned at load for this machine's VRAM budget (DESIGN.md §4).
+
+The budget first holds what the GPU needs whatever the split (dense weights, KV cache and scratch,
+where the dense part runs there), then blocks of neurons in one global ranking by expected
+activation mass per byte: mass is the calibrated activation frequency of a sparse layer's neurons
+(1 in a dense layer: every row is read each token), bytes the exact growth of the layer's device
+allocation (kernels.gpu.HotSpec). A layer grows only by its next block, so its hot set stays a
+prefix: one copy per tensor part. The ranking stops at the first block that does not fit, so every
+layer's share grows with the budget.
+"""
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pinfer.formats import schema as S
+from pinfer.kernels.gpu import HotSpec
+
+GIB = 1 << 30
+MARGIN = 512 << 20          # left free by the default budget: the CUDA context, ONNX Runtime, the display
+DENSE_SCRATCH = 256 << 20   # ONNX Runtime's CUDA workspace (cuBLAS, attention scratch) with the dense part there
+BLOCK = 64                  # neurons per planning block (a multiple of 32: q4r groups, warps)
+
+
+def plan_hot(mass, cost, free, block=BLOCK):
+    """Per-layer hot neuron counts within `free` bytes.
+
+    mass (n_layer, n_ff): expected activation per neuron, file order. cost(layer, k): the layer's
+    device bytes with k hot neurons (0 at k = 0), or None for a layer the GPU cannot take. Blocks
+    are ranked by mass per byte of their neurons' rows (a layer's fixed bytes, its predictor's
+    first matrix and scratch, are paid with its first block but do not rank it: they would rank a
+    layer's first block below its second); ties go to the lower layer. Stops at the first block
+    that does not fit."""
+    n_layer, n_ff = mass.shape
+    hot = np.zeros(n_layer, np.int64)
+    spent = np.zeros(n_layer, np.int64)
+    unit = min(32, n_ff)
+    per_neuron = []
+    for layer in range(n_layer):
+        full, first = cost(layer, n_ff), cost(layer, unit)
+        per_neuron.append(None if full is None else (full - first) / (n_ff - unit) if n_ff > unit else full / n_ff)
+
+    def entry(layer):
+        k = int(hot[layer])
+        if k >= n_ff or per_neuron[layer] is None:
+            return None
+        size = min(block, n_ff - k)
+        return (-float(mass[layer, k:k + size].sum()) / (size * per_neuron[layer]), layer, size)
+
+    heap = [e for e in (entry(l) for l in range(n_layer)) if e is not None]
+    heapq.heapify(heap)
+    while heap:
+        _, layer, size = heapq.heappop(heap)
+        grow = cost(layer, int(hot[layer]) + size) - spent[layer]
+        if grow > free:
+            break
+        free -= grow
+        hot[layer] += size
+        spent[layer] += grow
+        e = entry(layer)
+        if e is not None:
+            heapq.heappush(heap, e)
+    return hot
+
+
+@dataclass
+class Plan:
+    budget: int
+    reserved: dict                  # {"dense weights": bytes, "KV cache": bytes, "scratch": bytes}
+    hot: list                       # per layer: hot neurons on the GPU
+    layer_bytes: list               # per layer: device bytes of its hot part
+    n_ff: int
+    skipped: dict = field(default_factory=dict)   # layer -> why it stays on the CPU
+
+    @property
+    def total(self):
+        return sum(self.reserved.values()) + sum(self.layer_bytes)
+
+    @property
+    def hot_share(self):
+        return sum(self.hot) / max(1, len(self.hot) * self.n_ff)
+
+    def describe(self):
+        mib = lambda b: f"{b / (1 << 20):,.1f} MiB"   # noqa: E731
+        lines = [f"placement for a VRAM budget of {mib(self.budget)}:"]
+        lines += [f"  {name}: {mib(b)}" for name, b in self.reserved.items() if b]
+        lines.append(f"  FFN hot neurons: {sum(self.hot):,} of {len(self.hot) * self.n_ff:,} "
+                     f"({self.hot_share:.1%}), {mib(sum(self.layer_bytes))}")
+        per = ", ".join(f"{h}" for h in self.hot)
+        lines.append(f"  per layer: {per}")
+        for layer, why in sorted(self.skipped.items()):
+            lines.append(f"  layer {layer} stays on the CPU: {why}")
+        lines.append(f"  planned total: {mib(self.total)}")
+        return "\n".join(lines)
+
+
+def layer_specs(reader, cfg, rules):
+    """Per layer: (HotSpec, or None with the reason the GPU cannot take the layer)."""
+    out = []
+    for i in range(cfg.n_layer):
+        why = None
+        if S.FFN_GATE_UP_COLD.format(i) in reader.header["weights"]:
+            why = "its bundles are split in hot and cold formats (--quant mixed)"
+        elif not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu"):
+            why = f"the GPU kernels take gated silu/relu FFNs, not {cfg.ffn_act}"
+        elif S.FFN_GATE_UP_BIAS.format(i) in reader:
+            why = "its FFN has biases"
+        if why:
+            out.append((None, why))
+            continue
+        gf, gp = reader.block(S.FFN_GATE_UP.format(i))
+        df, dp = reader.block(S.FFN_DOWN_T.format(i))
+        rank = 0
+        if rules[i] in ("predicted", "relu"):
+            rank = reader.block(S.FFN_PRED_W1.format(i))[1]["q"].shape[0]
+        spec = HotSpec(cfg.d_model, cfg.n_ff, (gf, "min" in gp), (df, "min" in dp), rank)
+        why = spec.supported()
+        out.append((None, f"the GPU kernels do not take {why}") if why else (spec, None))
+    return out
+
+
+def activation_mass(reader, cfg, rules):
+    """(n_layer, n_ff): calibrated activation frequency in sparse layers, 1 in dense ones."""
+    freq = reader.tensor(S.FFN_FREQ) if S.FFN_FREQ in reader else None
+    mass = np.ones((cfg.n_layer, cfg.n_ff), np.float64)
+    for i, mode in enumerate(rules):
+        if mode != "dense" and freq is not None:
+            mass[i] = freq[i]
+    return mass
+
+
+def plan(reader, cfg, rules, budget, reserved=None, block=BLOCK):
+    """The split for `budget` bytes; rules: each layer's mode name; reserved: bytes held before the
+    FFN ({} where the dense part runs on the CPU)."""
+    reserved = dict(reserved or {})
+    specs = layer_specs(reader, cfg, rules)
+    mass = activation_mass(reader, cfg, rules)
+    skipped = {i: why for i, (spec, why) in enumerate(specs) if spec is None}
+
+    def cost(layer, k):
+        spec = specs[layer][0]
+        return spec.nbytes(k) if spec is not None else None
+
+    free = budget - sum(reserved.values())
+    hot = plan_hot(mass, cost, free, block) if free > 0 else np.zeros(cfg.n_layer, np.int64)
+    layer_bytes = [specs[i][0].nbytes(int(h)) if specs[i][0] else 0 for i, h in enumerate(hot)]
+    return Plan(int(budget), reserved, [int(h) for h in hot], layer_bytes, cfg.n_ff, skipped)
