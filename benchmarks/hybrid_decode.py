@@ -4,6 +4,7 @@ in one run, on a synthetic INT4 model in LLaMA-13B's shapes whose active sets fo
 
     python benchmarks/hybrid_decode.py [--shape 13b] [--layers 8] [--active 0.10] [--shares 0.3,0.6]
         [--threads 4] [--tokens 32] [--repeats 3]
+    python benchmarks/hybrid_decode.py --model smollm2.pinf     # a converted model, its own modes
 
 The model and its active sets are benchmarks/synthetic_decode.py's (random Q4_0 weights, neuron j
 fires with probability min(1, c (j+1)^-alpha) in the hot-first order). --vram-budget is set for
@@ -26,6 +27,8 @@ from synthetic_decode import CACHE, SHAPES, decode_rate, draws, power_law, synth
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="a converted .pinf (e.g. SmolLM2) run with its own modes "
+                                                "instead of the synthetic model")
     ap.add_argument("--shape", choices=list(SHAPES), default="13b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--active", type=float, default=0.10)
@@ -43,34 +46,44 @@ def main(argv=None):
     from pinfer.runtime import placement
     from pinfer.runtime.model import Model, RuntimeOptions
 
-    _, pinf = synthetic_model(a.shape, a.layers, a.cache)
+    pinf = a.model or synthetic_model(a.shape, a.layers, a.cache)[1]
     try:
         m = Model(pinf, RuntimeOptions(threads=a.threads, n_ctx=256, device=a.device, vram_budget=0.0))
     except GpuError as e:
         print(f"hybrid_decode: {e}", file=sys.stderr)
         sys.exit(2)
     cfg, n_ff = m.cfg, m.cfg.n_ff
-    spec = placement.layer_specs(m.reader, cfg, ["given"] * cfg.n_layer)[0][0]
-    p = power_law(n_ff, a.active, a.alpha)
+    modes = [r.rule.mode for r in m.rules] if a.model else ["given"] * cfg.n_layer
+    specs = [spec for spec, _ in placement.layer_specs(m.reader, cfg, modes)]
+    if a.model:
+        mass = placement.activation_mass(m.reader, cfg, modes)
+    else:
+        mass = np.tile(power_law(n_ff, a.active, a.alpha), (cfg.n_layer, 1))
+    reserved = sum(m._dense_reserved().values())
     rng = np.random.default_rng(0)
     rows = []
     for share in [0.0] + [float(s) for s in a.shares.split(",")] + [1.0]:
         k = min(n_ff, int(round(share * n_ff / 64)) * 64)
-        budget = (spec.nbytes(k) * cfg.n_layer + 4096) / placement.GIB    # + rounding slack
-        m.options = replace(m.options, vram_budget=budget)
-        draw, _ = draws(p, cfg.n_layer, a.tokens * a.repeats, rng)
-        m.set_active_sets(draw)         # plans, prints the plan, moves the hot neurons
+        need = reserved + sum(spec.nbytes(k) for spec in specs if spec is not None)
+        m.options = replace(m.options, vram_budget=(need + 4096) / placement.GIB)   # + rounding slack
+        if a.model:
+            m.set_sparsity("")          # plans, prints the plan, moves the hot neurons
+        else:
+            draw, _ = draws(mass[0], cfg.n_layer, a.tokens * a.repeats, rng)
+            m.set_active_sets(draw)
         rates = [decode_rate(m, a.tokens) for _ in range(a.repeats)]
         hot = sum(m.plan.hot) / (cfg.n_layer * n_ff)
-        mass = float(np.mean([p[:h].sum() / p.sum() for h in m.plan.hot]))
-        rows.append((share, hot, mass, m.plan.total / 2**20, statistics.median(rates)))
+        on_gpu = float(np.mean([mass[i, :h].sum() / max(mass[i].sum(), 1e-12) for i, h in enumerate(m.plan.hot)]))
+        rows.append((share, hot, on_gpu, m.plan.total / 2**20, statistics.median(rates)))
     base = rows[0][-1]
-    print(f"\n{a.shape}-shaped, {a.layers} layers, Q4_0; {a.active:.0%} active, power-law alpha {a.alpha}; "
-          f"{a.threads} CPU threads; hot part on {m.gpu.name if m.gpu else a.device}; {a.tokens} tokens x {a.repeats} repeats (median)\n")
-    print("| FFN share asked | hot neurons | active mass on GPU | VRAM planned | tok/s | vs CPU only |")
+    what = (f"{pinf.name}, its own modes" if a.model else
+            f"{a.shape}-shaped, {a.layers} layers, Q4_0; {a.active:.0%} active, power-law alpha {a.alpha}")
+    print(f"\n{what}; {a.threads} CPU threads; hot part on {m.gpu.name if m.gpu else a.device}; dense part on "
+          f"{m.dense_device}; {a.tokens} tokens x {a.repeats} repeats (median)\n")
+    print("| FFN share asked | hot neurons | activation mass on GPU | VRAM planned | tok/s | vs CPU only |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for share, hot, mass, mib, tok_s in rows:
-        print(f"| {share:.0%} | {hot:.1%} | {mass:.1%} | {mib:,.0f} MiB | {tok_s:.2f} | {tok_s / base:.2f}x |")
+    for share, hot, on_gpu, mib, tok_s in rows:
+        print(f"| {share:.0%} | {hot:.1%} | {on_gpu:.1%} | {mib:,.0f} MiB | {tok_s:.2f} | {tok_s / base:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -496,6 +496,7 @@ class Model:
         # the GPU, resid stays there, and so do x and delta in decode, where every layer's FFN
         # step reads and writes device memory; prefill's FFN runs on the host buffers.
         on_gpu = self.act_at == "cuda" and n == 1
+        self._head_shape = None      # the head binds to these buffers again
         self.resid = [Buf((1, n, d), self.act_dtype, self.act_at) for _ in range(2)]
         self.delta = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
         self.x = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
@@ -565,7 +566,20 @@ class Model:
             step()
         self.n_past += n
         start = n - 1 if logits_from is None else logits_from
-        return self.head_logits(self.resid[self.cfg.n_layer % 2].read()[:, start:], self.delta.read()[:, start:])
+        last = self.resid[self.cfg.n_layer % 2]
+        if self.act_at == "cuda":       # one token, its buffers on the GPU: the head reads them there
+            return self._head_on_device(last)
+        return self.head_logits(last.read()[:, start:], self.delta.read()[:, start:])
+
+    def _head_on_device(self, resid):
+        if self._head_shape != ("device", id(resid)):
+            self._logits = np.empty((1, 1, self.cfg.vocab), np.float32)
+            self.head.bind_in("resid", resid)
+            self.head.bind_in("delta", self.delta)
+            self.head.bind_out("logits", self._logits)
+            self._head_shape = ("device", id(resid))
+        self.head.run()
+        return self._logits[0]
 
     def head_logits(self, resid, delta):
         m = resid.shape[1]
