@@ -101,6 +101,12 @@ _GATE_UP_FORMATS = {
 _SPARSE_DOWN = ("q8", "q4", "q4r", "f16", "f32")
 
 
+class _Rows(ctypes.Structure):
+    """rows_t of kernels/csrc/ffn_sparse.c: W_down as (d, n_ff) rows, or q NULL."""
+    _fields_ = [("fmt", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("min", ctypes.c_void_p), ("from_", ctypes.c_int64)]
+
+
 class _Call(ctypes.Structure):
     """ffn_call_t of kernels/csrc/ffn_sparse.c."""
     _fields_ = [(name, t) for names, t in (
@@ -109,7 +115,13 @@ class _Call(ctypes.Structure):
          ctypes.c_void_p),
         (("r",), ctypes.c_int64), (("thr", "pred_thr"), ctypes.c_float), (("x", "y"), ctypes.c_void_p),
         (("n", "d"), ctypes.c_int64), (("idx", "val", "counts"), ctypes.c_void_p), (("threads",), ctypes.c_int),
-    ) for name in names]
+    ) for name in names] + [("wd", _Rows)]
+
+
+# From this share of surviving neurons on, the sparse FFN's down projection runs as row dots over
+# W_down when it has it (SparseFFN down_rows): benchmarks/sparse_kernel.py --crossover measures it.
+ROWS_FROM = 0.5
+_ROW_FORMATS = {"q4": _DOWN_FORMATS["q4"]}
 
 
 def sparse_isa(want=None):
@@ -122,7 +134,12 @@ class SparseFFN:
     """One layer's FFN for one token at a time: y (d) = down(rule(act(gate x) * up x)) over the
     neurons the mode computes (kernels/csrc/ffn_sparse.c). Weights are checked here once."""
 
-    def __init__(self, gate_up, down, n_ff, d, act="silu", predictor=None, threads=1):
+    def __init__(self, gate_up, down, n_ff, d, act="silu", predictor=None, threads=1, down_rows=None,
+                 rows_from=None):
+        """down_rows: W_down as (fmt, parts), (d, n_ff) q4 rows with groups along n_ff (what
+        blocks.from_transposed_r makes of a q4r down_t; "transpose" makes it here): once rows_from
+        of the neurons survive, the down projection runs as d row dots over it, h quantized to int8
+        per group of 32, instead of the axpy over the survivors' down_t rows."""
         if d % 32 or n_ff % 32:
             raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
         if d > MAX_D:
@@ -135,7 +152,17 @@ class SparseFFN:
         if down[0] not in _SPARSE_DOWN:
             raise ValueError(f"the sparse FFN takes down_t in {list(_SPARSE_DOWN)}, not {down[0]}")
         self.dn_code, self.dn = _parts({k: _DOWN_FORMATS[k] for k in _SPARSE_DOWN}, *down, n_ff, d, "down_t")
-        self.keep = (gate_up, down, predictor)
+        if isinstance(down_rows, str) and down_rows == "transpose":
+            from pinfer.formats import blocks
+            down_rows = blocks.from_transposed_r(*down)
+        self.rows = _Rows()
+        if down_rows is not None:
+            rows_from = ROWS_FROM if rows_from is None else rows_from
+            code, (q, scale, mn) = _parts(_ROW_FORMATS, *down_rows, d, n_ff, "down rows")
+            if not 0.0 <= rows_from <= 1.0:
+                raise ValueError(f"rows_from {rows_from} is not a share between 0 and 1")
+            self.rows = _Rows(code, q, scale, mn, int(np.ceil(rows_from * n_ff)))
+        self.keep = (gate_up, down, predictor, down_rows)
         self.pred = (None, None, None, None, None, 0)
         if predictor is not None:
             w1, w2, b2 = predictor
@@ -159,14 +186,14 @@ class SparseFFN:
         self._check(x, y, mode)
         call = _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, *self.gu, *self.dn, *self.pred[:5],
                      self.pred[5], threshold, pred_threshold, x.ctypes.data, y.ctypes.data, self.n_ff, self.d,
-                     self.idx.ctypes.data, self.val.ctypes.data, self.counts.ctypes.data, self.threads)
+                     self.idx.ctypes.data, self.val.ctypes.data, self.counts.ctypes.data, self.threads, self.rows)
         ref, f, counts = ctypes.byref(call), _lib.pinfer_ffn_call, self.counts
 
         def run():
             if f(ref):
                 raise ValueError("the sparse FFN kernel refused its sizes")
             return int(counts[0]), int(counts[1])
-        run.keep = (call, x, y)
+        run.keep = (call, x, y, self)     # the weights and scratch the call points into
         return run
 
     def _check(self, x, y, mode):

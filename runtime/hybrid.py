@@ -73,12 +73,13 @@ class HybridFFN:
         return run
 
 
-def build(layer_parts, k, n_ff, d, act, threads, hot_factory):
-    """The layer's FFN with k neurons hot: a plain SparseFFN at k = 0, else a HybridFFN whose hot half
-    hot_factory(gate_up, down, predictor) makes from the cut bundles."""
+def build(layer_parts, k, n_ff, d, act, threads, hot_factory, down_rows=None):
+    """The layer's FFN with k neurons hot: a plain SparseFFN at k = 0 (given W_down as down_rows,
+    see SparseFFN), else a HybridFFN whose hot half hot_factory(gate_up, down, predictor) makes
+    from the cut bundles."""
     gate_up, down, predictor = layer_parts
     if k == 0:
-        return SparseFFN(gate_up, down, n_ff, d, act, predictor, threads)
+        return SparseFFN(gate_up, down, n_ff, d, act, predictor, threads, down_rows=down_rows)
     cold = None
     if k < n_ff:    # first: a cold half the CPU kernel refuses must not leave GPU memory behind
         gu, dn, pred = cut(gate_up, down, predictor, k, n_ff)

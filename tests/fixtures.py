@@ -345,3 +345,16 @@ def _typed(value: Any) -> tuple:
     if isinstance(value, (list, tuple)) and value:
         return (list(value), VT.ARRAY, _typed(value[0])[1])
     raise TypeError(f"extra_kv value {value!r}: expected bool, int, float, str or a non-empty list")
+
+
+# Calibration small enough for a unit test: seconds per tiny model.
+QUICK_PASSES = dict(calib_tokens=4096, heldout_tokens=2048, seq_len=128)
+
+
+def convert_tiny_silu(d: Path, **passes: Any) -> Path:
+    """A 2-layer Q4_1 SiLU model (d_model 64, n_ff 128) built in d and converted with quick
+    calibration and the converter's own choices (or `passes`); returns the .pinf path."""
+    from pinfer.converter.convert import ConvertOptions, convert
+    from pinfer.converter.passes import PassOptions
+    src = make_tiny_llama_gguf(d / "silu.gguf", qtype="Q4_1", n_layer=2, d_model=64, n_ff=128, seed=5)
+    return convert(ConvertOptions(src, d / "silu.pinf", report=False, passes=PassOptions(**{**QUICK_PASSES, **passes})))

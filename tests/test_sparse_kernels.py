@@ -201,3 +201,70 @@ def test_threads_split_large_layers_without_changing_a_bit(gu_fmt, dn_fmt):
     np.testing.assert_allclose(outs[0], want, rtol=0, atol=2e-4 * np.abs(want).max())
     for y in outs[1:]:
         np.testing.assert_array_equal(y, outs[0])
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+@pytest.mark.parametrize("dn_fmt", ["q4r", "q4r-nomin"])
+@pytest.mark.parametrize("n, d", [(96, 96), (1088, 1024)])
+def test_down_as_row_dots_over_w_down(isa, dn_fmt, n, d):
+    """With W_down given (the transpose of a q4r down_t), the down projection runs as row dots once
+    rows_from of the neurons survive, h meeting the rows as int8 per group of 32 (as x meets the
+    gate/up rows). Below rows_from the axpy runs, exactly as without W_down. The same bits at any
+    thread count."""
+    sparse_isa(isa)
+    gf, gparts, G_, U_ = gate_up("q4", n, d)
+    df, dparts, W = down(dn_fmt, n, d)
+    x = RNG.standard_normal(d).astype(np.float32)
+    _, _, h = reference(gf, G_, U_, W, x, "silu", "dense", 0, None)
+    thr = gap_threshold(np.abs(h), 0.5)          # half the neurons survive
+    want, keep, _ = reference(gf, G_, U_, W, x, "silu", "down", thr, None)
+    hq = np.zeros(n, np.float32)
+    hq[keep] = h[keep]
+    want_rows = quantized_x(hq) @ W.astype(np.float64)      # h as the row dots see it
+    plain = SparseFFN((gf, gparts), (df, dparts), n, d)
+    y_axpy = np.empty(d, np.float32)
+    plain(x, y_axpy, "down", thr)
+    outs = {}
+    for rows_from, threads in ((0.4, 1), (0.4, 2), (0.6, 1)):
+        ffn = SparseFFN((gf, gparts), (df, dparts), n, d, threads=threads, down_rows="transpose",
+                        rows_from=rows_from)
+        y = np.full(d, np.nan, np.float32)
+        assert ffn(x, y, "down", thr) == (n, len(keep))
+        outs[rows_from, threads] = y
+    spread = np.abs(want).max()
+    np.testing.assert_allclose(outs[0.4, 1], want_rows, rtol=0, atol=2e-4 * spread)
+    assert np.abs(outs[0.4, 1] - want).max() < 2e-2 * spread
+    np.testing.assert_array_equal(outs[0.4, 2], outs[0.4, 1])
+    np.testing.assert_array_equal(outs[0.6, 1], y_axpy)      # 50% survive: under 0.6, the axpy
+
+
+def test_down_rows_are_checked():
+    n, d = 64, 96
+    gf, gparts, _, _ = gate_up("q4", n, d)
+    df, dparts, _ = down("q4r", n, d)
+    plain, rows = blocks.from_transposed_r(df, dparts)
+    with pytest.raises(ValueError, match=r"down rows.q: expected .* shape \(96, 32\)"):
+        SparseFFN((gf, gparts), (df, dparts), n, d, down_rows=(plain, {**rows, "q": rows["q"][:, :16].copy()}))
+    with pytest.raises(ValueError, match="down rows in"):
+        SparseFFN((gf, gparts), (df, dparts), n, d, down_rows=("q8", rows))
+    with pytest.raises(ValueError, match="rows_from 1.5"):
+        SparseFFN((gf, gparts), (df, dparts), n, d, down_rows=(plain, rows), rows_from=1.5)
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+@pytest.mark.parametrize("dn_fmt", ["q4r", "q4r-nomin"])
+def test_q4r_groups_of_few_and_many_survivors(isa, dn_fmt):
+    """q4r down: groups of 32 neurons with up to four survivors take one fused pass (AVX-512),
+    fuller groups the buffered one; both against NumPy, in one call."""
+    sparse_isa(isa)
+    n, d = 256, 160
+    gf, gparts, G_, U_ = gate_up("q4", n, d)
+    df, dparts, W = down(dn_fmt, n, d)
+    x = RNG.standard_normal(d).astype(np.float32)
+    # groups 0-3: 1, 3, 4 and 5 survivors; groups 4-7: every neuron
+    cand = np.concatenate([[5], [32, 40, 63], [64, 70, 80, 95], [96, 97, 110, 120, 127], np.arange(128, 256)])
+    want, keep, _ = reference(gf, G_, U_, W, x, "silu", "given", 0.0, cand)
+    y = np.full(d, np.nan, np.float32)
+    assert SparseFFN((gf, gparts), (df, dparts), n, d)(x, y, "given", 0.0, candidates=cand.astype(np.int32)) \
+        == (len(cand), len(keep))
+    np.testing.assert_allclose(y, want, rtol=0, atol=2e-4 * np.abs(want).max())

@@ -46,7 +46,7 @@
 
 #define G 32
 #define MAX_D 65536
-#define PARALLEL_WORK (1 << 20)   /* weights a pass reads before it is worth a second thread */
+#define PARALLEL_WORK (1 << 20)
 
 /* for (k = 0; k < n; k++) body, on `threads` OpenMP threads; one thread runs it inline (an
    OpenMP region with if(0) still costs microseconds, as much as a small layer's FFN). */
@@ -124,12 +124,14 @@ static float dot_q4_portable(const uint8_t *q, const uint16_t *scale, const uint
 
 #ifdef PINFER_X86
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c")))
-static float dot_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d) {
+static float dot_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d,
+                           const uint8_t *next) {
     const int64_t ng = d / G;
     const __m512i low4 = _mm512_set1_epi8(15);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g += 4) {
+        if (next) _mm_prefetch((const char *)(next + g * 16), _MM_HINT_T0);
         const int64_t k = ng - g < 4 ? ng - g : 4;
         const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
         const __m512i v = _mm512_maskz_loadu_epi8(m, q + g * 16);
@@ -224,9 +226,12 @@ int pinfer_sparse_isa(int want) {
     return isa;
 }
 
-static float dot_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d) {
+/* `next`: a row of as many bytes to prefetch while this one is read (the next candidate's: a
+   gather's rows are short streams the hardware prefetcher does not follow in time), or NULL. */
+static float dot_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d,
+                    const uint8_t *next) {
 #ifdef PINFER_X86
-    if (isa == ISA_AVX512) return dot_q4_avx512(q, scale, min, x, d);
+    if (isa == ISA_AVX512) return dot_q4_avx512(q, scale, min, x, d, next);
     if (isa == ISA_AVX2) return dot_q4_avx2(q, scale, min, x, d);
 #endif
     return dot_q4_portable(q, scale, min, x, d);
@@ -289,7 +294,7 @@ static float rule(int act, float g, float u, int mode, float thr) {
 
 /* h of neuron j, or 0 when the rule skips it (and then its up row is not read where the gate
    alone decides). */
-static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, int mode, float thr) {
+static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, int mode, float thr, int64_t next) {
     const int64_t d = f->d;
     float g, u;
     if (f->gu_fmt == FMT_F16) {
@@ -306,9 +311,11 @@ static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, i
         const uint8_t *q = (const uint8_t *)f->gu_q + j * d; /* 2 rows of d/2 bytes */
         const int64_t ng = d / G;
         const uint16_t *sc = f->gu_scale + j * 2 * ng, *mn = f->gu_min ? f->gu_min + j * 2 * ng : NULL;
-        g = dot_q4(q, sc, mn, qx, d);
+        /* the next candidate's rows, where they do not follow these */
+        const uint8_t *pf = next >= 0 && next != j + 1 ? (const uint8_t *)f->gu_q + next * d : NULL;
+        g = dot_q4(q, sc, mn, qx, d, pf);
         if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
-        u = dot_q4(q + d / 2, sc + ng, mn ? mn + ng : NULL, qx, d);
+        u = dot_q4(q + d / 2, sc + ng, mn ? mn + ng : NULL, qx, d, pf ? pf + d / 2 : NULL);
     }
     return rule(f->act, g, u, mode, thr);
 }
@@ -386,32 +393,60 @@ static void row_scales(float *a, float *off, const uint16_t *sc16, const uint16_
         for (int64_t g = 0; g < ng; g++) off[g] += -8.0f * a[g];
 }
 
+#ifdef PINFER_X86
+/* p[0..32) += scale * acc + offset * vsum for one group of 32 columns: lo/hi the even/odd
+   (nibble-order) halves of acc, sc/mn the group's f16 scales and mins (mn NULL: offset -8 * scale). */
+__attribute__((target("avx512f,avx512bw,f16c")))
+static inline void scale_add_group(float *p, __m512 lo, __m512 hi, const uint16_t *sc, const uint16_t *mn,
+                                   float vsum) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512 vs = _mm512_set1_ps(vsum);
+    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16)));
+    const __m512 se = _mm512_permutex2var_ps(s0, even, s1), so = _mm512_permutex2var_ps(s0, odd, s1);
+    __m512 oe = _mm512_mul_ps(se, _mm512_set1_ps(-8.0f)), oo = _mm512_mul_ps(so, _mm512_set1_ps(-8.0f));
+    if (mn) {
+        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mn));
+        const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16)));
+        oe = _mm512_permutex2var_ps(m0, even, m1);
+        oo = _mm512_permutex2var_ps(m0, odd, m1);
+    }
+    _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), _mm512_fmadd_ps(se, lo, _mm512_mul_ps(oe, vs))));
+    _mm512_storeu_ps(p + 16, _mm512_add_ps(_mm512_loadu_ps(p + 16), _mm512_fmadd_ps(so, hi, _mm512_mul_ps(oo, vs))));
+}
+
 /* q4r: p += scale * acc + offset * vsum per column, acc and p in nibble order, the scales and
    mins (f16, columns in order) of one group of 32 neurons; offset = min, or -8 * scale. */
-#ifdef PINFER_X86
 __attribute__((target("avx512f,avx512bw,f16c")))
 static void scale_group_avx512(float *p, const float *acc, const uint16_t *sc, const uint16_t *mn, float vsum,
                                int64_t ng) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    const __m512 vs = _mm512_set1_ps(vsum), m8 = _mm512_set1_ps(-8.0f);
+    for (int64_t g = 0; g < ng; g++)
+        scale_add_group(p + G * g, _mm512_loadu_ps(acc + G * g), _mm512_loadu_ps(acc + G * g + 16), sc + G * g,
+                        mn ? mn + G * g : NULL, vsum);
+}
+
+/* One pass of a whole q4r group of R <= AXPY_ROWS survivors: their rows summed (weights v[r]) in
+   registers and scaled straight into p, with the arithmetic of axpy_q4 then scale_group in their
+   order (the same bits) but no acc buffer to clear, store and reload. next[r]: rows to prefetch
+   (the next group's survivors) or NULL. */
+__attribute__((target("avx512f,avx512bw,f16c")))
+static void axpy_scaled_q4r_avx512(float *p, const uint8_t *const *q, const float *v, int R, const uint16_t *sc,
+                                   const uint16_t *mn, float vsum, int64_t ng, const uint8_t *const *next) {
+    const __m128i low4 = _mm_set1_epi8(15);
     for (int64_t g = 0; g < ng; g++) {
-        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + G * g)));
-        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + G * g + 16)));
-        const __m512 se = _mm512_permutex2var_ps(s0, even, s1), so = _mm512_permutex2var_ps(s0, odd, s1);
-        __m512 oe = _mm512_mul_ps(se, m8), oo = _mm512_mul_ps(so, m8);
-        if (mn) {
-            const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + G * g)));
-            const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + G * g + 16)));
-            oe = _mm512_permutex2var_ps(m0, even, m1);
-            oo = _mm512_permutex2var_ps(m0, odd, m1);
+        if (g % 4 == 0)
+            for (int r = 0; r < AXPY_ROWS; r++)
+                if (next[r]) _mm_prefetch((const char *)(next[r] + 16 * g), _MM_HINT_T0);
+        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const __m128i w = _mm_loadu_si128((const __m128i *)(q[r] + 16 * g));
+            const __m512 ag = _mm512_set1_ps(v[r]);
+            lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(w, low4))), ag, lo);
+            hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(w, 4), low4))),
+                                 ag, hi);
         }
-        float *pg = p + G * g;
-        const float *ag = acc + G * g;
-        _mm512_storeu_ps(pg, _mm512_add_ps(_mm512_loadu_ps(pg),
-                                           _mm512_fmadd_ps(se, _mm512_loadu_ps(ag), _mm512_mul_ps(oe, vs))));
-        _mm512_storeu_ps(pg + 16, _mm512_add_ps(_mm512_loadu_ps(pg + 16),
-                                                _mm512_fmadd_ps(so, _mm512_loadu_ps(ag + 16), _mm512_mul_ps(oo, vs))));
+        scale_add_group(p + G * g, lo, hi, sc + G * g, mn ? mn + G * g : NULL, vsum);
     }
 }
 #endif
@@ -500,6 +535,24 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
        rows unscaled in acc, then scale once per group */
     for (int64_t k = 0; k < m;) {
         const int64_t grp = idx[k] / G;
+#ifdef PINFER_X86
+        int64_t e = k;
+        while (e < m && e - k <= AXPY_ROWS && idx[e] / G == grp) e++;
+        if (isa == ISA_AVX512 && e - k <= AXPY_ROWS) {     /* a group of few survivors: one pass */
+            const uint8_t *q[AXPY_ROWS], *next[AXPY_ROWS];
+            float v[AXPY_ROWS], vsum = 0.0f;
+            for (int r = 0; r < AXPY_ROWS; r++) {
+                q[r] = k + r < e ? (const uint8_t *)f->dn_q + (int64_t)idx[k + r] * (d / 2) + c0 / 2 : NULL;
+                next[r] = e + r < m ? (const uint8_t *)f->dn_q + (int64_t)idx[e + r] * (d / 2) + c0 / 2 : NULL;
+                v[r] = k + r < e ? val[k + r] : 0.0f;
+                vsum += v[r];
+            }
+            axpy_scaled_q4r_avx512(p, q, v, (int)(e - k), f->dn_scale + grp * d + c0,
+                                   f->dn_min ? f->dn_min + grp * d + c0 : NULL, vsum, ng, next);
+            k = e;
+            continue;
+        }
+#endif
         memset(acc, 0, (size_t)nc * sizeof(float));
         float vsum = 0.0f;
         int64_t k1 = k;
@@ -523,6 +576,37 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
         }
 }
 
+/* W_down itself, (d, n) with groups of 32 along n (the transpose of a q4r down_t, as MatMulNBits
+   holds it), for when most neurons survive: then d row dots over the whole h read every row once
+   at the gate/up rows' speed, where the axpy pays a float conversion per weight. */
+typedef struct {
+    int fmt;                    /* FMT_Q4: q u8 (d, n/2), scale and min (or none) f16 (d, n/G) */
+    const uint8_t *q;           /* NULL: no W_down, always the axpy */
+    const uint16_t *scale, *min;
+    int64_t from;               /* survivors from which the row dots run */
+} rows_t;
+
+/* y = W_down h, h zero but for the survivors, quantized to int8 per group of 32 neurons (as x is
+   for the gate/up rows, and as MatMulNBits does). Each y[i] is one thread's dot, so the result
+   does not depend on the thread count. */
+static int down_rows(const rows_t *wd, const int32_t *idx, const float *val, int64_t s, float *y, int64_t n,
+                     int64_t d, int threads) {
+    const int64_t ng = n / G;
+    float *buf = malloc((size_t)n * sizeof(float) + (size_t)n + (size_t)(ng * 2 + n / 8) * sizeof(float));
+    if (!buf) return -1;
+    float *h = buf;
+    memset(h, 0, (size_t)n * sizeof(float));
+    for (int64_t k = 0; k < s; k++) h[idx[k]] = val[k];
+    qx_t qh = {(int8_t *)(buf + n + ng * 2 + n / 8), buf + n, buf + n + ng, buf + n + ng + n / 8};
+    const int t = n * d >= PARALLEL_WORK ? threads : 1;
+    quantize_x(h, n, &qh);
+    FOR_THREADS(t, i, d, {
+        y[i] = dot_q4(wd->q + i * (n / 2), wd->scale + i * ng, wd->min ? wd->min + i * ng : NULL, &qh, n, NULL);
+    });
+    free(buf);
+    return 0;
+}
+
 /* One token's FFN: y = down(rule(act(gate) * up)) over the neurons the mode computes.
  *   mode      MODE_DENSE: every neuron, no rule; MODE_DOWN: every neuron, |h| >= thr;
  *             MODE_PREDICTED: the predictor's candidates (score >= pred_thr), |h| >= thr;
@@ -530,12 +614,12 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
  *             MODE_GIVEN: the counts[0] candidates the caller put in idx (ascending), |h| >= thr
  *   counts    out: [candidates, survivors]
  * Returns 0, or -1 when a size is unsupported. */
-int pinfer_ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint16_t *gu_scale,
+static int ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint16_t *gu_scale,
                      const uint16_t *gu_min, int down_fmt, const void *dn_q, const uint16_t *dn_scale,
                      const uint16_t *dn_min, const uint8_t *w1q, const uint16_t *w1s, const uint8_t *w2q,
                      const uint16_t *w2s, const float *b2, int64_t r, float thr, float pred_thr,
                      const float *x, float *y, int64_t n, int64_t d, int32_t *idx, float *val,
-                     int64_t *counts, int threads) {
+                     int64_t *counts, int threads, const rows_t *wd) {
     if (d % G || n % G || d > MAX_D || r % G) return -1;
     if (isa < 0) pinfer_sparse_isa(-1);
     const ffn_t f = {gu_fmt, down_fmt, act, gu_q, gu_scale, gu_min, dn_q, dn_scale, dn_min, d};
@@ -568,7 +652,7 @@ int pinfer_ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint
     /* gate/up and the rule, then compaction in ascending order */
     /* waking a thread costs tens of microseconds: below ~1M weights a pass runs on one */
     const int t_gu = m * d >= PARALLEL_WORK ? threads : 1;
-    FOR_THREADS(t_gu, k, m, { val[k] = neuron(&f, idx[k], x, &qx, mode, thr); });
+    FOR_THREADS(t_gu, k, m, { val[k] = neuron(&f, idx[k], x, &qx, mode, thr, k + 1 < m ? idx[k + 1] : -1); });
     int64_t s = 0;
     for (int64_t k = 0; k < m; k++)
         if (val[k] != 0.0f) {
@@ -576,6 +660,12 @@ int pinfer_ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint
             val[s++] = val[k];
         }
     counts[1] = s;
+
+    if (wd->q && s >= wd->from) {
+        const int rc = down_rows(wd, idx, val, s, y, n, d, threads);
+        free(buf);
+        return rc;
+    }
 
     /* down: column chunks of whole groups, one thread each */
     const int t_dn = s * d >= PARALLEL_WORK ? threads : 1;
@@ -617,10 +707,12 @@ typedef struct {
     float *val;
     int64_t *counts;
     int threads;
+    rows_t wd;
 } ffn_call_t;
 
 int pinfer_ffn_call(const ffn_call_t *a) {
-    return pinfer_ffn_token(a->mode, a->act, a->gu_fmt, a->gu_q, a->gu_scale, a->gu_min, a->down_fmt, a->dn_q,
-                            a->dn_scale, a->dn_min, a->w1q, a->w1s, a->w2q, a->w2s, a->b2, a->r, a->thr,
-                            a->pred_thr, a->x, a->y, a->n, a->d, a->idx, a->val, a->counts, a->threads);
+    if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
+    return ffn_token(a->mode, a->act, a->gu_fmt, a->gu_q, a->gu_scale, a->gu_min, a->down_fmt, a->dn_q,
+                     a->dn_scale, a->dn_min, a->w1q, a->w1s, a->w2q, a->w2s, a->b2, a->r, a->thr,
+                     a->pred_thr, a->x, a->y, a->n, a->d, a->idx, a->val, a->counts, a->threads, &a->wd);
 }
