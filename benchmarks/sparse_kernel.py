@@ -1,7 +1,8 @@
 """One FFN layer for one token: pinfer's sparse kernel at several active fractions against its own
 dense path and ONNX Runtime's MatMulNBits on the same layer, in one process.
 
-    python benchmarks/sparse_kernel.py [--shapes 7b,13b,70b] [--threads 1,2] [--reps 7]
+    python benchmarks/sparse_kernel.py [--shapes 7b,13b,70b] [--threads 1,2] [--reps 20]
+        [--fractions 0.05,0.1,0.25,0.5,1] [--rows-from 0.5]
 
 Weights are random bytes in the layouts a converted file holds: INT4 (q4, group 32, f16 scale,
 no min, the MatMulNBits convention) or FP16 gate/up bundles, and down_t rows of the same format.
@@ -15,7 +16,9 @@ dense layer as MatMulNBits(gate|up) -> SiLU * up -> MatMulNBits(down), 4 bits, b
 accuracy level 4 (int8 activations, as pinfer's kernel), on the same number of threads; ours and
 ONNX Runtime's dense layers are timed in alternating rounds. With int4 q4r down_t the kernel also
 holds W_down (as the runtime does) and runs the down projection as row dots from ROWS_FROM of the
-neurons surviving: "dense (ours)" and the 50% and 100% rows use them.
+neurons surviving: "dense (ours)" and the 50% and 100% rows use them. `--rows-from 1.01` turns
+them off (the axpy at every fraction, dense included) and `--fractions 0.3,0.4,0.5,0.6,0.7` with
+both settings shows where the two ways cross (kernels.ROWS_FROM).
 """
 
 import argparse
@@ -24,7 +27,7 @@ import time
 
 import numpy as np
 
-from pinfer.kernels import SparseFFN, sparse_isa
+from pinfer.kernels import ROWS_FROM, SparseFFN, sparse_isa
 
 SHAPES = {"smollm2": (576, 1536), "7b": (4096, 11008), "13b": (5120, 13824), "70b": (8192, 28672)}
 FRACTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
@@ -128,9 +131,14 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--down", choices=("q4", "q4r"), default="q4r",
                     help="int4 down_t layout: q4r (GGUF's groups of 32 neurons) or q4 (groups along d_model)")
+    ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
+    ap.add_argument("--rows-from", type=float, default=None,
+                    help="share of surviving neurons from which int4 q4r runs the down projection as row "
+                         "dots over W_down (default kernels.ROWS_FROM; above 1: never)")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    print(f"sparse kernels: {sparse_isa()} path; int4 down_t as {a.down}\n")
+    rows = "never" if (a.rows_from or 0) > 1 else f"from {ROWS_FROM if a.rows_from is None else a.rows_from:.0%} surviving"
+    print(f"sparse kernels: {sparse_isa()} path; int4 down_t as {a.down}; row dots over W_down (q4r): {rows}\n")
     print("| shape (d x n_ff) | format | threads | active | ms | GB/s | vs our dense | vs ORT MatMulNBits |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for shape in a.shapes.split(","):
@@ -143,7 +151,8 @@ def main(argv=None):
             per_neuron = 3 * row_bytes(fmt, d)
             for threads in map(int, a.threads.split(",")):
                 # int4 q4r: the kernel also holds W_down, for its row dots once half the neurons survive
-                ffn = SparseFFN(gu, dn, n, d, threads=threads, down_rows="transpose" if dn[0] == "q4r" else None)
+                rows = "transpose" if dn[0] == "q4r" and (a.rows_from or 0) <= 1 else None
+                ffn = SparseFFN(gu, dn, n, d, threads=threads, down_rows=rows, rows_from=a.rows_from)
                 ort_t = None
                 dense = ffn.bind(x, y, "dense")
                 if fmt == "q4":    # ours and ONNX Runtime's dense layer in alternating rounds
@@ -155,7 +164,7 @@ def main(argv=None):
                     dense_t = median_time(dense, a.reps)
                 print(f"| {shape} ({d} x {n}) | {fmt_name} | {threads} | dense (ours) | {dense_t * 1e3:.2f} "
                       f"| {n * per_neuron / dense_t / 1e9:.1f} | 1.00x | {f'{ort_t / dense_t:.2f}x' if ort_t else '-'} |")
-                for frac in FRACTIONS:
+                for frac in map(float, a.fractions.split(",")):
                     t = median_time(rotating_sets(ffn, x, y, n, frac, rng), a.reps)
                     gbs = round(frac * n) * per_neuron / t / 1e9
                     vs_ort = f"{ort_t / t:.2f}x" if ort_t else "-"

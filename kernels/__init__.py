@@ -119,7 +119,7 @@ class _Call(ctypes.Structure):
 
 
 # From this share of surviving neurons on, the sparse FFN's down projection runs as row dots over
-# W_down when it has it (SparseFFN down_rows): benchmarks/sparse_kernel.py --crossover measures it.
+# W_down when it has it (SparseFFN down_rows): benchmarks/sparse_kernel.py --rows-from measures it.
 ROWS_FROM = 0.5
 _ROW_FORMATS = {"q4": _DOWN_FORMATS["q4"]}
 

@@ -292,8 +292,18 @@ static float rule(int act, float g, float u, int mode, float thr) {
     return h;
 }
 
+/* The candidate whose gate/up rows to prefetch while candidate k's are read, or -1: the next one
+   where it does not follow k (a gather's rows are short streams the hardware prefetcher does not
+   pick up in time), else the one after it, so a run of consecutive rows (dense) is fetched a row
+   ahead of the hardware prefetcher (+7-16% at one thread on LLaMA-7B's layer, sparse_kernel.py). */
+static int64_t prefetch_row(const int32_t *idx, int64_t k, int64_t m) {
+    if (k + 1 >= m) return -1;
+    if (idx[k + 1] != idx[k] + 1) return idx[k + 1];
+    return k + 2 < m ? idx[k + 2] : -1;
+}
+
 /* h of neuron j, or 0 when the rule skips it (and then its up row is not read where the gate
-   alone decides). */
+   alone decides); `next`: the neuron whose rows to prefetch meanwhile (prefetch_row), or -1. */
 static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, int mode, float thr, int64_t next) {
     const int64_t d = f->d;
     float g, u;
@@ -311,8 +321,7 @@ static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, i
         const uint8_t *q = (const uint8_t *)f->gu_q + j * d; /* 2 rows of d/2 bytes */
         const int64_t ng = d / G;
         const uint16_t *sc = f->gu_scale + j * 2 * ng, *mn = f->gu_min ? f->gu_min + j * 2 * ng : NULL;
-        /* the next candidate's rows, where they do not follow these */
-        const uint8_t *pf = next >= 0 && next != j + 1 ? (const uint8_t *)f->gu_q + next * d : NULL;
+        const uint8_t *pf = next >= 0 ? (const uint8_t *)f->gu_q + next * d : NULL;
         g = dot_q4(q, sc, mn, qx, d, pf);
         if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
         u = dot_q4(q + d / 2, sc + ng, mn ? mn + ng : NULL, qx, d, pf ? pf + d / 2 : NULL);
@@ -652,7 +661,7 @@ static int ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint
     /* gate/up and the rule, then compaction in ascending order */
     /* waking a thread costs tens of microseconds: below ~1M weights a pass runs on one */
     const int t_gu = m * d >= PARALLEL_WORK ? threads : 1;
-    FOR_THREADS(t_gu, k, m, { val[k] = neuron(&f, idx[k], x, &qx, mode, thr, k + 1 < m ? idx[k + 1] : -1); });
+    FOR_THREADS(t_gu, k, m, { val[k] = neuron(&f, idx[k], x, &qx, mode, thr, prefetch_row(idx, k, m)); });
     int64_t s = 0;
     for (int64_t k = 0; k < m; k++)
         if (val[k] != 0.0f) {
