@@ -6,7 +6,8 @@
 For every mode and thread count, the model decodes `--tokens` tokens one at a time after a short
 prompt, `--repeats` times with the modes alternating, and the median is reported as tokens/s and
 as a ratio to dense on the same thread count. Sparse modes decode through pinfer's fused FFN kernel
-("kernel") and, for comparison, through the ONNX graph plus the NumPy rule ("numpy"). Perplexity
+("kernel"), through the ONNX graph plus the NumPy rule ("numpy"), and as `--ffn-kernel auto` (the
+default) chooses at load ("auto: kernel" or "auto: dense", from its own timing). Perplexity
 is teacher-forced one token at a time (so it runs the decode path being timed) over the first
 `--ppl-tokens` tokens of the wikitext test text. "file" is the file's own per-layer choice.
 """
@@ -60,9 +61,9 @@ def main(argv=None):
     variants = []
     for mode in a.modes.split(","):
         override = "" if mode == "file" else mode
-        variants += [(mode, "onnx" if mode == "dense" else "numpy", override, False)]
+        variants += [(mode, "onnx" if mode == "dense" else "numpy", override, "off")]
         if mode != "dense":
-            variants += [(mode, "kernel", override, True)]
+            variants += [(mode, "kernel", override, "on"), (mode, "auto", override, "auto")]
     n_ctx = 16 + max(a.tokens, a.ppl_tokens)
     rows = []
     for threads in map(int, a.threads.split(",")):
@@ -77,6 +78,8 @@ def main(argv=None):
         text_ids = tok.encode(a.file.read_text(encoding="utf-8")[:20000])[:a.ppl_tokens] if a.ppl_tokens else []
         dense_rate = statistics.median(rates[0])
         for (mode, path, _, _), m, r in zip(variants, models, rates):
+            if path == "auto":
+                path = "auto: " + "+".join(sorted({c["path"] for c in m.path_choices}) or ["dense"])
             ppl, (gu, dn) = decode_ppl(m, text_ids) if threads == 1 and text_ids else (float("nan"), (math.nan,) * 2)
             rows.append((threads, f"{mode} ({', '.join(m.sparsity_names)})" if mode == "file" else mode, path,
                          statistics.median(r), statistics.median(r) / dense_rate, ppl, gu, dn))

@@ -48,7 +48,7 @@ def main(argv=None):
     points = [r["point"] for r in sp["heldout"]["points"]] + [""]
     for point in points:
         t0 = time.perf_counter()
-        m = Model(a.model, RuntimeOptions(n_ctx=a.ctx, threads=a.threads, sparsity=point))
+        m = Model(a.model, RuntimeOptions(n_ctx=a.ctx, threads=a.threads, sparsity=point, kernels="off"))
         tok = Tokenizer.from_spec(m.tokenizer_spec)
         res = perplexity(m, tok, text, n_ctx=a.ctx, n_chunks=a.chunks)
         gu, down = m.counters.fractions()

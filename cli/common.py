@@ -43,9 +43,12 @@ def runtime_options(f):
                      help="Override the file's per-layer FFN modes: dense, down:S, predicted:R or relu:R "
                           "(values the converter calibrated; see pinfer inspect).")(f)
     f = click.option("--dense", is_flag=True, help="Compute every FFN neuron (same as --sparsity dense).")(f)
-    f = click.option("--ffn-kernel", is_flag=True,
-                     help="Decode sparse layers with pinfer's fused FFN kernel (benchmarks/sparse_decode.py "
-                          "measures whether it beats the default path on your model and CPU).")(f)
+    f = click.option("--ffn-kernel", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+                     is_flag=False, flag_value="on",
+                     help="How sparse layers decode: on (pinfer's fused FFN kernel, reading only the rows the "
+                          "rule keeps), off (the ONNX graph and the rule over every row), or auto (time both at "
+                          "load; keep the kernel where it beats the dense path, run dense elsewhere). "
+                          "--ffn-kernel alone means on.")(f)
     f = click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
                      help="Where the FFN's hot neurons run: gpu (hot on an NVIDIA GPU, cold on the CPU; needs "
                           "pinfer[gpu]), cpu, or auto (the GPU when one is found).")(f)
@@ -60,7 +63,7 @@ def runtime_config(kw):
 
     return RuntimeOptions(n_ctx=kw["n_ctx"], threads=kw["threads"],
                           sparsity="dense" if kw.get("dense") else kw.get("sparsity", ""),
-                          kernels=bool(kw.get("ffn_kernel")), device=kw.get("device") or "auto",
+                          kernels=kw.get("ffn_kernel") or "auto", device=kw.get("device") or "auto",
                           vram_budget=kw.get("vram_budget"))
 
 

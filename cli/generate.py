@@ -50,5 +50,9 @@ def print_stats(session, load=None):
         f"({s.prompt_tps:.1f} tokens per second)")
     err(f"eval           = {s.decode_seconds * 1000:9.1f} ms / {max(s.decode_tokens - 1, 0)} tokens "
         f"({s.decode_tps:.1f} tokens per second)")
+    m = session.model
+    gu, down = m.counters.read_fractions()
+    err(f"ffn            = {', '.join(m.sparsity_names)}: {gu:.1%} of gate/up rows and {down:.1%} of down rows "
+        f"read, {m.weight_bytes_per_token() / 1e6:.1f} MB of weights per token")
     err(f"peak RSS       = {peak_rss_mb():9.1f} MB")
     err(f"seed           = {session.sampler.seed}")

@@ -32,10 +32,12 @@ class RuntimeOptions:
     threads: int = 0        # 0: all cores
     verbose: bool = False
     sparsity: str = ""      # "": each layer's mode from the file; else dense | down:S | predicted:R | relu:R
-    # Decode sparse layers with pinfer's fused FFN kernel instead of the ONNX graph + NumPy rule.
-    # Off by default: on SmolLM2 it decodes slower than the dense path (benchmarks/sparse_decode.py);
-    # at LLaMA-7B's shape with 10% active it is 1.9x faster (benchmarks/synthetic_decode.py).
-    kernels: bool = False
+    # How sparse layers decode: "on" through pinfer's fused FFN kernel (rows the rule skips are not
+    # read), "off" through the ONNX graph + the NumPy rule (every row read: the reference path), or
+    # "auto": time both the kernel and the dense path at load and run each rule's layers through
+    # the kernel only where it is faster on this machine, dense elsewhere (on SmolLM2 the kernel
+    # is slower; at LLaMA-7B's shape with 10% active it is 1.9x faster). True/False mean on/off.
+    kernels: str | bool = "auto"
     # Where the FFN's hot neurons run: "gpu" (hybrid: hot on the GPU, cold on the CPU), "cpu", or
     # "auto" (the GPU where cuda-python finds one). "cpu-split" plans a split like "gpu" but runs
     # the hot half on a second CPU kernel: it checks the split and the merge without a GPU.
@@ -49,6 +51,43 @@ class RuntimeOptions:
 
 
 DEFAULT_CTX = 4096
+
+# --ffn-kernel auto: the kernel stays for a rule's layers when it takes under KEEP_BELOW of the dense
+# path's time, measured over up to TIMING_TOKENS decode steps (the first TIMING_WARMUP not counted,
+# stopping after TIMING_BUDGET_S once 3 are counted); prompts are then timed at PREFILL_SIZES.
+KEEP_BELOW = 0.95
+TIMING_TOKENS, TIMING_WARMUP, TIMING_BUDGET_S = 10, 2, 1.0
+PREFILL_SIZES = (2, 4, 8, 16)
+TIMING_TEXT = ("The history of the city begins in the early middle ages , when a small market grew around the "
+               "river crossing . Its people traded wool , grain and salt , and by the year 1200 the town had a "
+               "church , a bridge and a wall")
+
+
+def choose_path(rule_r, dense_r, keep_below=None):
+    """"kernel", "kernel-dense" or "dense" from the times of the kernel under the rule and in its
+    dense mode, as ratios to ONNX Runtime's dense path: the exact ways unless the rule is clearly
+    (keep_below, default KEEP_BELOW) faster than the faster of them; the kernel's dense mode only
+    where it is clearly faster than ONNX Runtime's."""
+    keep_below = KEEP_BELOW if keep_below is None else keep_below
+    if rule_r < keep_below * min(1.0, dense_r):
+        return "kernel"
+    return "kernel-dense" if dense_r < keep_below else "dense"
+
+
+def timing_tokens(spec, vocab, n):
+    """n token ids of ordinary English for timing the FFN paths: TIMING_TEXT's words looked up in
+    the vocabulary as whole tokens (GPT-2 or SentencePiece spelling), without the cost of building
+    the tokenizer; ids spread over the vocabulary where the vocabulary has no such words."""
+    index = {t: i for i, t in enumerate(spec.get("tokens") or [])}
+    ids = []
+    for k, word in enumerate(TIMING_TEXT.split()):
+        for spelling in ((word,) if k == 0 else ()) + ("\u0120" + word, "\u2581" + word, word):
+            if spelling in index:
+                ids.append(index[spelling])
+                break
+    if len(ids) < n:
+        ids += [int(i) for i in np.linspace(vocab // 4, vocab - 1, n - len(ids))]
+    return ids[:n]
 
 
 def rope_tables(cfg, n_ctx, freq_divisors=None):
@@ -101,6 +140,7 @@ class MatMulDown:
     def __init__(self, fmt, parts, threads, n_ff, d):
         from pinfer.converter.graphs import F32, GraphBuilder
         plain, w = blocks.from_transposed_r(fmt, parts)     # W_down (d, n_ff)
+        self.rows = (plain, w)     # the fused kernel's row dots read the same arrays
         self.arrays = {S.part_name("w", p): a for p, a in w.items()}
         directory = {name: {"dtype": S.DTYPE_CODES[a.dtype], "shape": list(a.shape), "nbytes": a.nbytes}
                      for name, a in self.arrays.items()}
@@ -231,7 +271,11 @@ class Model:
         self.head = self._session(S.HEAD_GRAPH, self.threads)
         self.downs = [None if gpu_dense else self._down(i) for i in range(cfg.n_layer)]
         self.counters = Counters()
-        self.use_kernels = options.kernels
+        self.use_kernels = {True: "on", False: "off"}.get(options.kernels, options.kernels)
+        if self.use_kernels not in ("auto", "on", "off"):
+            raise ValueError(f"ffn kernel {options.kernels!r} is not one of auto, on, off")
+        self.path_choices = []      # what --ffn-kernel auto measured and chose, one entry per rule
+        self.prefill_by_token = 0   # prompts of 2..this many tokens take the decode path
         self.attn = self.layers if gpu_dense else None   # attention-only sessions, made on first need
 
         kv_shape = (1, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
@@ -245,10 +289,10 @@ class Model:
         self.seqlens = np.zeros(1, np.int32)     # GroupQueryAttention: total length - 1
         self.total = np.zeros((), np.int32)      # total length after this call
         self._bind_state(self.layers)
-        self.set_sparsity(options.sparsity)
         self._shape = None       # the sequence length the activation buffers are bound for
         self._head_shape = None  # the row count the head's buffers are bound for
         self.n_past = 0
+        self.set_sparsity(options.sparsity)
         self.load_seconds = time.perf_counter() - t0
 
     def set_sparsity(self, override=""):
@@ -265,6 +309,9 @@ class Model:
         if any(self.ffns):
             self._attention_sessions()
         self._shape = None      # the bound steps call the rules: bind again
+        self.path_choices, self.prefill_by_token = [], 0
+        if self.use_kernels == "auto" and self.device == "cpu" and any(self.ffns):
+            self._choose_paths()
 
     def _attention_sessions(self):
         if self.attn is None:
@@ -287,6 +334,7 @@ class Model:
         self.draw = draw
         self._attention_sessions()
         self._shape = None
+        self.path_choices, self.prefill_by_token = [], 0
 
     def _sparse_ffn(self, i):
         """The fused kernel (or the hybrid) for layer i's decode, or None where the ONNX graph and
@@ -294,7 +342,7 @@ class Model:
         dense path), formats or shapes the kernel lacks, and --quant mixed splits."""
         rule, r, cfg = self.rules[i], self.reader, self.cfg
         hot = self.plan.hot[i] if self.plan else 0
-        fused = self.use_kernels or hot or self.dense_device == "gpu"   # the GPU's decode has no other FFN path
+        fused = self.use_kernels != "off" or hot or self.dense_device == "gpu"   # the GPU's decode has no other FFN path
         if (not fused or (rule.rule.mode == "dense" and not hot and self.dense_device != "gpu")
                 or S.FFN_GATE_UP_COLD.format(i) in r.header["weights"]
                 or not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu") or S.FFN_GATE_UP_BIAS.format(i) in r):
@@ -323,7 +371,9 @@ class Model:
                                                self.options.deterministic)
         else:
             make = hybrid.cpu_hot_factory(k, cfg.d_model, cfg.ffn_act, self.threads)
-        return hybrid.build(parts, k, cfg.n_ff, cfg.d_model, cfg.ffn_act, self.threads, make)
+        rows = getattr(self.downs[i], "rows", None) if self.downs else None   # W_down, shared with MatMulNBits
+        return hybrid.build(parts, k, cfg.n_ff, cfg.d_model, cfg.ffn_act, self.threads, make,
+                            rows if rows and rows[0] == "q4" else None)
 
     # -- the GPU ---------------------------------------------------------------------------------
     def _choose_device(self, options):
@@ -501,26 +551,28 @@ class Model:
         self.delta = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
         self.x = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
         self.h = np.zeros((1, n, self.cfg.n_ff), np.float32)
-        self.steps = []
-        for i, layer in enumerate(self.layers):
-            kernel = n == 1 and self.ffns[i] is not None     # decode: the fused FFN kernel
-            if kernel:
-                layer = self.attn[i]
-            else:
-                layer.bind_out("ffn_h", self.h)
-            layer.bind_in("resid", self.resid[i % 2])
-            layer.bind_in("delta", self.delta)
-            layer.bind_out("resid_out", self.resid[(i + 1) % 2])
-            layer.bind_out("ffn_x", self.x)
-            if kernel:
-                self.steps += [layer.run, self._kernel_step(i, on_gpu)]
-            else:
-                self.steps += [layer.run, self.rules[i].bind(self.x.np[0], self.h[0]),
-                               self.downs[i].bind(self.h[0], self.delta.np[0])]
+        self.steps = [s for i in range(self.cfg.n_layer)
+                      for s in self._layer_steps(i, n == 1 and self.ffns[i] is not None, on_gpu)]
         self._shape = n
 
-    def _kernel_step(self, i, on_gpu=False):
-        ffn, mode, thr, pthr = self.ffns[i]
+    def _layer_steps(self, i, kernel, on_gpu=False, rule=None, entry=None):
+        """Layer i's steps over the bound buffers: the attention-only session and the fused FFN
+        kernel (decode; `entry` as in self.ffns, default the layer's), or the whole layer graph,
+        `rule` (default the layer's) and the down projection."""
+        layer = self.attn[i] if kernel else self.layers[i]
+        if not kernel:
+            layer.bind_out("ffn_h", self.h)
+        layer.bind_in("resid", self.resid[i % 2])
+        layer.bind_in("delta", self.delta)
+        layer.bind_out("resid_out", self.resid[(i + 1) % 2])
+        layer.bind_out("ffn_x", self.x)
+        if kernel:
+            return [layer.run, self._kernel_step(i, on_gpu, entry)]
+        return [layer.run, (rule or self.rules[i]).bind(self.x.np[0], self.h[0]),
+                self.downs[i].bind(self.h[0], self.delta.np[0])]
+
+    def _kernel_step(self, i, on_gpu=False, entry=None):
+        ffn, mode, thr, pthr = entry or self.ffns[i]
         if on_gpu:
             run = hybrid.bind_device(self.gpu, ffn, self.x.ptr, self.delta.ptr, mode, thr, pthr)
         else:
@@ -528,13 +580,123 @@ class Model:
         c, n_ff = self.counters, self.cfg.n_ff
         given = ffn.set_candidates if mode == "given" else None
         draw = self.draw if given else None
+        rows = getattr(ffn, "rows", None)
+        rows_from = rows.from_ if rows is not None and rows.q else n_ff + 1   # from here every down row is read
 
         def step():
             if given:
                 given(draw(i))
             cand, kept = run()
-            c.add(cand, kept, cand, kept, n_ff)     # the kernel reads what it keeps
+            c.add(cand, kept, cand, n_ff if kept >= rows_from else kept, n_ff)   # the axpy reads what it keeps
         return step
+
+    # -- --ffn-kernel auto ------------------------------------------------------------------------
+    def _choose_paths(self):
+        """Decode a few tokens with every sparse layer run three ways: the fused kernel under its
+        rule ("kernel"), the same kernel over every neuron ("kernel-dense") and the layer graph with
+        MatMulNBits ("dense"). A rule's layers keep the kernel and the rule only where their summed
+        time is under KEEP_BELOW of the faster exact way (median over tokens); otherwise they run
+        the faster exact way, rule dropped, the kernel's dense mode only where it is under
+        KEEP_BELOW of the graph's. Each choice is printed and kept in path_choices; where a kernel
+        stays, prompts of up to prefill_by_token tokens take the decode path (_choose_prefill)."""
+        cfg = self.cfg
+        groups = {}
+        for i, f in enumerate(self.ffns):
+            if f is not None:
+                groups.setdefault(self.rules[i].rule.name, []).append(i)
+        dense = [LayerRule(self.reader, self.reader.header, i, Rule("dense"), Counters()) for i in range(cfg.n_layer)]
+        self._bind_activations(1)
+        steps = [(self._layer_steps(i, True), self._layer_steps(i, True, entry=(self.ffns[i][0], "dense", 0.0, 0.0)),
+                  self._layer_steps(i, False, rule=dense[i])) if self.ffns[i]
+                 else (self._layer_steps(i, False),) for i in range(cfg.n_layer)]
+        ids = timing_tokens(self.tokenizer_spec, self.cfg.vocab, TIMING_TOKENS)
+        spent = {name: [] for name in groups}      # per token: seconds of each way over the rule's layers
+        other = []                                 # per token: seconds of the layers with one way
+        t_start = time.perf_counter()
+        for t, tok in enumerate(ids):
+            self._start(np.asarray([tok]), 1)
+            acc = {name: [0.0, 0.0, 0.0] for name in groups}
+            rest = 0.0
+            for i in range(cfg.n_layer):
+                if len(steps[i]) == 1:
+                    t0 = time.perf_counter()
+                    for step in steps[i][0]:
+                        step()
+                    rest += time.perf_counter() - t0
+                    continue
+                saved = self.delta.np.copy()     # every way reads the previous layer's FFN output
+                for k, way in enumerate(np.roll((0, 1, 2), t + i)):
+                    if k:
+                        self.delta.np[...] = saved
+                    t0 = time.perf_counter()
+                    for step in steps[i][way]:
+                        step()
+                    acc[self.rules[i].rule.name][way] += time.perf_counter() - t0
+            self.n_past += 1
+            if t >= TIMING_WARMUP:
+                other.append(rest)
+                for name, times in acc.items():
+                    spent[name].append(times)
+                if time.perf_counter() - t_start > TIMING_BUDGET_S and len(other) >= 3:
+                    break
+        self.reset()
+        self.counters.reset()
+        kernel_token = np.asarray(other)
+        for name, layers in groups.items():
+            times = np.asarray(spent[name])
+            rule_r, dense_r = (float(np.median(times[:, k] / times[:, 2])) for k in (0, 1))
+            path = choose_path(rule_r, dense_r)
+            self.path_choices.append({"rule": name, "layers": len(layers), "tokens": len(times), "path": path,
+                                      "kernel_over_dense": rule_r, "kernel_dense_over_dense": dense_r})
+            if path != "kernel":
+                for i in layers:
+                    self.rules[i] = LayerRule(self.reader, self.reader.header, i, Rule("dense"), self.counters)
+                    self.ffns[i] = (self.ffns[i][0], "dense", 0.0, 0.0) if path == "kernel-dense" else None
+            if path != "dense":
+                kernel_token = kernel_token + times[:, 0 if path == "kernel" else 1]
+            does = {"kernel": f"decoding through the kernel under {name}",
+                    "kernel-dense": "running these layers dense through the kernel (rule dropped)",
+                    "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[path]
+            print(f"ffn: {name} on {len(layers)} layers, time against ONNX Runtime's dense path here ({self.threads} "
+                  f"thread{'s' * (self.threads > 1)}, median of {len(times)} tokens): fused kernel {rule_r:.2f}x, "
+                  f"its dense mode {dense_r:.2f}x: {does}", file=sys.stderr)
+        self._shape = None
+        if any(self.ffns):
+            self._choose_prefill(ids, float(np.median(kernel_token)))
+        elif self.dense_device != "gpu":
+            self.attn = None        # the attention-only sessions go unused
+
+    def _choose_prefill(self, ids, kernel_token):
+        """The largest prompt length (of 2, 4, 8, 16) at which the kernel's per-token decode beats
+        the dense graphs' batched prompt processing per token; prompts up to it go token by token."""
+        self.prefill_by_token = 0
+        for n in PREFILL_SIZES:
+            if n > len(ids) or n > self.n_ctx:
+                break
+            best = np.inf
+            for _ in range(2):
+                self.reset()
+                t0 = time.perf_counter()
+                self.forward(list(ids[:n]))
+                best = min(best, (time.perf_counter() - t0) / n)
+            if kernel_token >= best:
+                break
+            self.prefill_by_token = n
+        self.reset()
+        self.counters.reset()
+        if self.prefill_by_token:
+            print(f"ffn: prompts of up to {self.prefill_by_token} tokens go token by token through the kernel, "
+                  "longer ones through the dense graphs", file=sys.stderr)
+
+    def _start(self, tokens, n):
+        """Write a call's inputs: embeddings of `tokens`, a zero delta, the lengths."""
+        rows = self.embed(tokens)
+        if self.pos is not None:
+            rows += self.pos[self.n_past:self.n_past + n]
+        self.resid[0].write(rows[None])
+        self.delta.zero()
+        self.seqlens[0] = self.n_past + n - 1
+        self.total[()] = self.n_past + n
 
     def embed(self, tokens):
         return blocks.dequantize(self.embd_format, self.embd_parts, rows=np.asarray(tokens))
@@ -550,18 +712,12 @@ class Model:
             raise ValueError("forward() needs at least one token")
         if self.n_past + n > self.n_ctx:
             raise ContextFull(self.n_past, n, self.n_ctx)
-        if n > 1 and self.dense_device == "gpu":
+        if n > 1 and (self.dense_device == "gpu" or n <= self.prefill_by_token):
             start = n - 1 if logits_from is None else logits_from
             rows = [self.forward([t]) for t in tokens]
             return np.concatenate(rows[start:])
         self._bind_activations(n)
-        rows = self.embed(tokens)
-        if self.pos is not None:
-            rows += self.pos[self.n_past:self.n_past + n]
-        self.resid[0].write(rows[None])
-        self.delta.zero()
-        self.seqlens[0] = self.n_past + n - 1
-        self.total[()] = self.n_past + n
+        self._start(tokens, n)
         for step in self.steps:
             step()
         self.n_past += n

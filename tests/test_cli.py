@@ -26,7 +26,8 @@ def test_generate_streams_text_to_stdout_and_stats_to_stderr(tiny):
     r = pinfer("generate", tiny, "-p", "hello", "-n", "12", "-s", "3", "-t", "1", "--ignore-eos")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("hello")
-    for key in ("load time", "prompt eval", "eval", "peak RSS", "seed           = 3"):
+    for key in ("load time", "prompt eval", "eval", "ffn            = ", "MB of weights per token", "peak RSS",
+                "seed           = 3"):
         assert key in r.stderr
     again = pinfer("generate", tiny, "-p", "hello", "-n", "12", "-s", "3", "-t", "1", "--ignore-eos")
     assert again.stdout == r.stdout  # same seed, same text

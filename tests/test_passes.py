@@ -47,8 +47,8 @@ def relu_files(tmp_path_factory):
 
 
 def test_relu_with_a_perfect_mask_equals_dense(relu_files):
-    dense = Model(relu_files["hot-first"], RuntimeOptions(sparsity="dense"))
-    sparse = Model(relu_files["hot-first"], RuntimeOptions(sparsity="relu:0.99"))
+    dense = Model(relu_files["hot-first"], RuntimeOptions(kernels="off", sparsity="dense"))
+    sparse = Model(relu_files["hot-first"], RuntimeOptions(kernels="off", sparsity="relu:0.99"))
     for rule in sparse.rules:       # every neuron a candidate: the exact rule h > 0 alone decides
         rule.pred = (*rule.pred[:3], np.float32(-np.inf))
     ids = _ids(dense)
@@ -67,8 +67,8 @@ def test_relu_predictor_keeps_mass_on_heldout_tokens(relu_files):
               f"count recall {t['count_recall']:.4f}, candidates {t['candidate_fraction']:.3f}")
         assert t["mass_recall"] >= 0.99
         assert t["candidate_fraction"] < 1.0
-    dense = Model(relu_files["hot-first"], RuntimeOptions(sparsity="dense"))
-    sparse = Model(relu_files["hot-first"])            # the file's mode: relu:0.99
+    dense = Model(relu_files["hot-first"], RuntimeOptions(kernels="off", sparsity="dense"))
+    sparse = Model(relu_files["hot-first"], RuntimeOptions(kernels="off"))   # the file's mode: relu:0.99
     ids = _ids(dense)
     a, b = dense.forward(ids, logits_from=0), sparse.forward(ids, logits_from=0)
     agree = (a.argmax(1) == b.argmax(1)).mean()
@@ -85,8 +85,8 @@ def test_hot_first_order_is_sorted_and_changes_nothing(relu_files):
     np.testing.assert_array_equal(f_hot, -np.sort(-f_src, axis=1))
     assert [lay["order"] for lay in hot.header["layers"]] == ["hot-first"] * 2
     for mode in ("dense", "relu:0.99"):      # gate/up rows, down rows and predictor outputs move together
-        a = Model(relu_files["hot-first"], RuntimeOptions(sparsity=mode))
-        b = Model(relu_files["source"], RuntimeOptions(sparsity=mode))
+        a = Model(relu_files["hot-first"], RuntimeOptions(kernels="off", sparsity=mode))
+        b = Model(relu_files["source"], RuntimeOptions(kernels="off", sparsity=mode))
         ids = _ids(a)
         np.testing.assert_allclose(a.forward(ids, logits_from=0), b.forward(ids, logits_from=0), atol=1e-4)
 
@@ -121,23 +121,23 @@ def test_gated_modes_run_in_the_runtime(silu_file):
     h = PinfReader(path).header
     assert {r["point"] for r in h["sparsity"]["heldout"]["points"]} >= {
         "dense", "down:0.2", "down:0.3", "down:0.4", "predicted:0.95", "predicted:0.99", "predicted:0.999"}
-    dense = Model(path, RuntimeOptions(sparsity="dense"))
+    dense = Model(path, RuntimeOptions(kernels="off", sparsity="dense"))
     ids = _ids(dense)
     ref = dense.forward(ids, logits_from=0)
     for mode, lo, hi in (("down:0.3", 0.6, 0.8), ("down:0.5", 0.4, 0.6)):
-        m = Model(path, RuntimeOptions(sparsity=mode))
+        m = Model(path, RuntimeOptions(kernels="off", sparsity=mode))
         m.forward(ids, logits_from=0)
         gu, down = m.counters.fractions()
         assert gu == 1.0 and lo < down < hi, (mode, down)
-    m = Model(path, RuntimeOptions(sparsity="predicted:0.999"))
+    m = Model(path, RuntimeOptions(kernels="off", sparsity="predicted:0.999"))
     got = m.forward(ids, logits_from=0)
     gu, down = m.counters.fractions()
     assert gu < 1.0 and down <= gu
     assert (got.argmax(1) == ref.argmax(1)).mean() > 0.8
     with pytest.raises(ValueError, match="calibrated"):
-        Model(path, RuntimeOptions(sparsity="down:0.33"))
+        Model(path, RuntimeOptions(kernels="off", sparsity="down:0.33"))
     with pytest.raises(ValueError, match="not one of"):
-        Model(path, RuntimeOptions(sparsity="sparse:0.5"))
+        Model(path, RuntimeOptions(kernels="off", sparsity="sparse:0.5"))
 
 
 @pytest.mark.parametrize("which, sparsity", [("silu", "down:0.3"), ("silu", "predicted:0.99"),
@@ -165,13 +165,13 @@ def test_kernel_decode_agrees_with_the_numpy_rules(silu_file, relu_files, which,
 def test_weight_bytes_per_token_follow_the_rows_read(silu_file):
     """Decode's weight bytes: the dense tensors, predictors only where a rule runs them, and the FFN
     rows read, which on the NumPy-rule path are all of them whatever the rule keeps, and with the
-    fused kernel exactly the rows it keeps."""
+    fused kernel the rows it keeps (every down row of a layer whose survivors reach the row dots)."""
     _, path = silu_file
     r = PinfReader(path)
     size = lambda *bases: sum(e["nbytes"] for n, e in r.tensors.items()  # noqa: E731
                               if any(n.startswith(b.format(i)) for b in bases for i in range(2)))
     gate_up, down, pred = size(S.FFN_GATE_UP), size(S.FFN_DOWN_T), size(S.FFN_PRED_W1, S.FFN_PRED_W2, S.FFN_PRED_B2)
-    ids = _ids(Model(path, RuntimeOptions(sparsity="dense")), 16)
+    ids = _ids(Model(path, RuntimeOptions(kernels="off", sparsity="dense")), 16)
     got = {}
     for mode, kernels in (("dense", False), ("down:0.5", False), ("predicted:0.99", False), ("predicted:0.99", True)):
         m = Model(path, RuntimeOptions(sparsity=mode, kernels=kernels, threads=1))
@@ -179,15 +179,15 @@ def test_weight_bytes_per_token_follow_the_rows_read(silu_file):
         m.counters.reset()
         for t in ids[4:]:
             m.forward([t])
-        got[mode, kernels] = (m.weight_bytes_per_token(), m.counters.fractions())
+        got[mode, kernels] = (m.weight_bytes_per_token(), m.counters.fractions(), m.counters.read_fractions())
     dense = got["dense", False][0]
-    _, (gu, dn) = got["down:0.5", False]
-    assert gu == 1.0 and dn < 0.6
+    _, (gu, dn), read = got["down:0.5", False]
+    assert gu == 1.0 and dn < 0.6 and read == (1.0, 1.0)
     assert got["down:0.5", False][0] == pytest.approx(dense)
     assert got["predicted:0.99", False][0] == pytest.approx(dense + pred)
-    _, (gu, dn) = got["predicted:0.99", True]
-    assert gu < 1.0 and dn < 1.0
-    assert got["predicted:0.99", True][0] == pytest.approx(dense - gate_up * (1 - gu) - down * (1 - dn) + pred)
+    _, (gu, dn), (read_gu, read_dn) = got["predicted:0.99", True]
+    assert gu < 1.0 and dn < 1.0 and read_gu == gu and dn <= read_dn <= 1.0
+    assert got["predicted:0.99", True][0] == pytest.approx(dense - gate_up * (1 - gu) - down * (1 - read_dn) + pred)
 
 
 def test_bad_sparsity_and_calibration_input_get_one_sentence(silu_file, tmp_path):

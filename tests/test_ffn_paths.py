@@ -1,0 +1,114 @@
+"""--ffn-kernel auto: the runtime times the fused kernel under each rule, the kernel's dense mode
+and ONNX Runtime's dense path at load, and keeps the rule only where it is clearly faster
+(runtime/model.py _choose_paths). The timing itself is the machine's; these tests check what
+follows from it, whichever way it goes, and force the ways."""
+
+import numpy as np
+import pytest
+
+from fixtures import convert_tiny_silu
+from pinfer.runtime import model as model_mod
+from pinfer.runtime.model import Model, RuntimeOptions, choose_path, timing_tokens
+
+IDS = list(range(5, 37))
+
+
+@pytest.fixture(scope="module")
+def silu_file(tmp_path_factory):
+    return convert_tiny_silu(tmp_path_factory.mktemp("paths"))
+
+
+def _decode(model):
+    model.reset()
+    model.forward(IDS[:8])
+    return np.stack([model.forward([t]) for t in IDS[8:]])
+
+
+def _opts(**kw):
+    return RuntimeOptions(threads=1, device="cpu", **kw)
+
+
+@pytest.mark.parametrize("sparsity", ["down:0.3", "predicted:0.99"])
+def test_auto_runs_what_it_reports(silu_file, sparsity, capfd):
+    """Whatever the timing chose, the model decodes as the way it names."""
+    m = Model(silu_file, _opts(sparsity=sparsity))
+    err = capfd.readouterr().err
+    [choice] = m.path_choices
+    assert choice["rule"] == sparsity and choice["layers"] == 2 and choice["tokens"] >= 3
+    assert choice["kernel_over_dense"] > 0 and choice["kernel_dense_over_dense"] > 0
+    assert f"ffn: {sparsity} on 2 layers, time against ONNX Runtime's dense path" in err
+    assert choice["path"] == choose_path(choice["kernel_over_dense"], choice["kernel_dense_over_dense"])
+    got = _decode(m)
+    if choice["path"] == "kernel":
+        want = _decode(Model(silu_file, _opts(sparsity=sparsity, kernels="on")))
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), choice
+        return
+    assert m.sparsity_names == ["dense"]          # the rule is dropped
+    want = _decode(Model(silu_file, _opts(sparsity="dense", kernels="off")))
+    if choice["path"] == "dense":
+        assert not any(m.ffns)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), choice
+    else:                                         # the kernel's int8 activations against MatMulNBits'
+        assert all(f[1] == "dense" for f in m.ffns)
+        assert np.abs(got - want).max() < 0.05 * np.abs(want).max(), choice
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_the_choice_prefers_the_exact_ways():
+    assert choose_path(0.5, 1.2, 0.95) == "kernel"           # the rule pays
+    assert choose_path(0.5, 0.6, 0.95) == "kernel"
+    assert choose_path(0.58, 0.6, 0.95) == "kernel-dense"    # no clear gain over the kernel's dense mode
+    assert choose_path(0.97, 1.3, 0.95) == "dense"           # inside the margin: exact
+    assert choose_path(1.4, 0.96, 0.95) == "dense"
+    assert choose_path(1.4, 0.8, 0.95) == "kernel-dense"
+
+
+@pytest.mark.parametrize("keep_below, path", [(0.0, "dense"), (1e9, "kernel")])
+def test_each_way_of_the_choice(silu_file, monkeypatch, keep_below, path):
+    monkeypatch.setattr(model_mod, "KEEP_BELOW", keep_below)
+    m = Model(silu_file, _opts(sparsity="down:0.3"))
+    assert [c["path"] for c in m.path_choices] == [path]
+    assert all(m.ffns) == (path == "kernel") and any(m.ffns) == (path == "kernel")
+    assert m.n_past == 0 and m.counters.full == 0      # the timing leaves no trace
+    m.forward(IDS[:8])
+    gu, down = m.counters.fractions()
+    assert (down < 1.0) == (path == "kernel")           # dense: the rule is dropped, not just slower
+    if path == "kernel":     # about 60% survive: mostly over ROWS_FROM, where the row dots read every down row
+        assert down < m.counters.read_fractions()[1] <= 1.0
+
+
+def test_prompts_up_to_the_crossover_take_the_decode_path(silu_file, monkeypatch):
+    monkeypatch.setattr(model_mod, "KEEP_BELOW", 1e9)
+    m = Model(silu_file, _opts(sparsity="down:0.3"))
+    assert m.prefill_by_token in (0, 2, 4, 8, 16)
+    ref = Model(silu_file, _opts(sparsity="down:0.3", kernels="on"))
+    m.prefill_by_token = 4
+    ref.reset()
+    want = np.concatenate([ref.forward([t]) for t in IDS[:4]])
+    m.reset()
+    got = m.forward(IDS[:4], logits_from=0)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    m.reset()
+    assert np.array_equal(m.forward(IDS[:4]), want[-1:])
+    m.reset()
+    longer = m.forward(IDS[:6], logits_from=0)       # past the crossover: the dense graphs, batched
+    assert longer.shape[0] == 6
+
+
+def test_off_and_on_and_dense_files_time_nothing(silu_file, capfd):
+    for opts in (_opts(sparsity="down:0.3", kernels="off"), _opts(sparsity="down:0.3", kernels="on"),
+                 _opts(sparsity="dense")):
+        m = Model(silu_file, opts)
+        assert m.path_choices == [] and m.prefill_by_token == 0
+    assert "ffn:" not in capfd.readouterr().err
+    assert Model(silu_file, _opts(sparsity="down:0.3", kernels=True)).use_kernels == "on"
+    with pytest.raises(ValueError, match="not one of auto, on, off"):
+        Model(silu_file, _opts(kernels="sometimes"))
+
+
+def test_timing_tokens_are_words_of_the_vocabulary():
+    vocab = ["<s>", "The", "\u0120history", "\u0120of", "\u2581the", "city", "x"]
+    ids = timing_tokens({"tokens": vocab}, len(vocab), 5)
+    assert ids[:4] == [1, 2, 3, 4] and len(ids) == 5      # "The", "Ġhistory", "Ġof", "▁the", then "city"
+    spread = timing_tokens({}, 1000, 4)                     # no vocabulary in the spec: spread ids
+    assert len(spread) == 4 and all(250 <= i < 1000 for i in spread)
