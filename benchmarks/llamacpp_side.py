@@ -3,6 +3,7 @@
 
   python benchmarks/llamacpp_side.py perplexity MODEL.gguf TEXT --ctx 512 --chunks N
   python benchmarks/llamacpp_side.py greedy MODEL.gguf --ids 504,3575 -n 64
+  python benchmarks/llamacpp_side.py score MODEL.gguf --ids 504,3575,...
   python benchmarks/llamacpp_side.py decode MODEL.gguf --threads 1 -n 128
 """
 
@@ -59,6 +60,20 @@ def greedy(a):
     return {"generated": out}
 
 
+def score(a):
+    """Perplexity of the given token ids, teacher-forced from the first: every position but the
+    first scored, as pinfer's sparse_decode.py scores its modes on the same ids."""
+    ids = [int(x) for x in a.ids.split(",")]
+    llm = load(a.model, max(a.ctx, len(ids)), a.threads, logits_all=True)
+    llm.reset()
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[:len(ids) - 1], np.float64)
+    m = logits.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
+    nll = lse - logits[np.arange(len(ids) - 1), ids[1:]]
+    return {"ppl": math.exp(nll.mean()), "tokens": len(nll)}
+
+
 def decode(a):
     """Decode speed: prompt, then n greedy tokens, each one llama_decode of a single token."""
     llm = load(a.model, 512, a.threads)
@@ -76,7 +91,7 @@ def decode(a):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["perplexity", "greedy", "decode"])
+    p.add_argument("what", choices=["perplexity", "greedy", "score", "decode"])
     p.add_argument("model")
     p.add_argument("text", nargs="?")
     p.add_argument("--ctx", type=int, default=512)
@@ -85,7 +100,7 @@ def main():
     p.add_argument("--ids", default="")
     p.add_argument("-n", type=int, default=64)
     a = p.parse_args()
-    print(json.dumps({"perplexity": perplexity, "greedy": greedy, "decode": decode}[a.what](a)))
+    print(json.dumps({"perplexity": perplexity, "greedy": greedy, "score": score, "decode": decode}[a.what](a)))
 
 
 if __name__ == "__main__":

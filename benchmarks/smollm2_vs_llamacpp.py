@@ -106,6 +106,8 @@ def main():
         for threads in [int(x) for x in a.threads.split(",")]:
             model = Model(pinf, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
             modes = ", ".join(model.sparsity_names)
+            if model.path_choices:      # what --ffn-kernel auto made of the file's rules at load
+                modes += "; FFN " + ", ".join(f"{c['rule']}: {c['path']}" for c in model.path_choices)
             pinfer_decode(model, 8)  # warm up
             ours, theirs = [], []
             for _ in range(a.repeats):

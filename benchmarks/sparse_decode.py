@@ -1,7 +1,7 @@
 """Decode speed and quality of each sparsity mode of a converted model, in one process.
 
     python benchmarks/sparse_decode.py MODEL.pinf [--modes dense,file,down:0.3] [--threads 1,2]
-        [--tokens 64] [--repeats 3] [--ppl-tokens 512]
+        [--tokens 64] [--repeats 3] [--ppl-tokens 512] [--llama-python VENV/bin/python --gguf SRC.gguf]
 
 For every mode and thread count, the model decodes `--tokens` tokens one at a time after a short
 prompt, `--repeats` times with the modes alternating, and the median is reported as tokens/s and
@@ -10,11 +10,16 @@ as a ratio to dense on the same thread count. Sparse modes decode through pinfer
 default) chooses at load ("auto: kernel" or "auto: dense", from its own timing). Perplexity
 is teacher-forced one token at a time (so it runs the decode path being timed) over the first
 `--ppl-tokens` tokens of the wikitext test text. "file" is the file's own per-layer choice.
+With --llama-python and --gguf (the file the model was converted from), llama.cpp decodes the
+same GGUF in that environment (benchmarks/llamacpp_side.py) after each round of pinfer's modes,
+and scores the same token ids teacher-forced in one batch.
 """
 
 import argparse
+import json
 import math
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -47,6 +52,13 @@ def decode_ppl(model, ids):
     return math.exp(nll / (len(ids) - 1)), model.counters.fractions()
 
 
+def llamacpp(what, a, threads, **args):
+    """One call of benchmarks/llamacpp_side.py in the llama-cpp-python environment; its JSON."""
+    cmd = [a.llama_python, str(Path(__file__).with_name("llamacpp_side.py")), what, str(a.gguf),
+           "--threads", str(threads)] + [x for k, v in args.items() for x in (f"--{k}" if len(k) > 1 else f"-{k}", str(v))]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
@@ -56,7 +68,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ppl-tokens", type=int, default=512)
     ap.add_argument("-f", "--file", type=Path, default=DEFAULT_TEXT)
+    ap.add_argument("--llama-python", help="python of an environment with llama-cpp-python")
+    ap.add_argument("--gguf", type=Path, help="the GGUF the model was converted from, for llama.cpp")
     a = ap.parse_args(argv)
+    if bool(a.llama_python) != bool(a.gguf):
+        ap.error("--llama-python and --gguf go together: llama.cpp runs the GGUF the model was converted from")
 
     variants = []
     for mode in a.modes.split(","):
@@ -72,23 +88,33 @@ def main(argv=None):
         tok = Tokenizer.from_spec(models[0].tokenizer_spec)
         prompt = tok.encode("The capital of France is")
         rates = [[] for _ in variants]
+        llama = []
         for _ in range(a.repeats):
             for i, m in enumerate(models):
                 rates[i].append(decode_rate(m, prompt, a.tokens))
+            if a.llama_python:
+                llama.append(llamacpp("decode", a, threads, n=a.tokens)["tok_s"])
         text_ids = tok.encode(a.file.read_text(encoding="utf-8")[:20000])[:a.ppl_tokens] if a.ppl_tokens else []
         dense_rate = statistics.median(rates[0])
-        for (mode, path, _, _), m, r in zip(variants, models, rates):
+        for (mode, path, override, _), m, r in zip(variants, models, rates):
             if path == "auto":
                 path = "auto: " + "+".join(sorted({c["path"] for c in m.path_choices}) or ["dense"])
             ppl, (gu, dn) = decode_ppl(m, text_ids) if threads == 1 and text_ids else (float("nan"), (math.nan,) * 2)
-            rows.append((threads, f"{mode} ({', '.join(m.sparsity_names)})" if mode == "file" else mode, path,
+            # the file's rules as loaded: --ffn-kernel auto may have dropped them on this model
+            names = models[variants.index((mode, "numpy", override, "off"))].sparsity_names if mode != "dense" else []
+            rows.append((threads, f"{mode} ({', '.join(names)})" if mode == "file" else mode, path,
                          statistics.median(r), statistics.median(r) / dense_rate, ppl, gu, dn))
+        if llama:
+            ppl = llamacpp("score", a, 1, ids=",".join(map(str, text_ids)))["ppl"] if threads == 1 and text_ids else math.nan
+            rows.append((threads, "llama.cpp (dense, same GGUF)", "llama.cpp", statistics.median(llama),
+                         statistics.median(llama) / dense_rate, ppl, math.nan, math.nan))
     print(f"{a.model.name}: {a.tokens} decoded tokens, median of {a.repeats}; perplexity teacher-forced over "
           f"{a.ppl_tokens} tokens of {a.file.name} (1 thread)\n")
     print("| threads | mode | FFN path | tok/s | vs dense | PPL | gate/up rows | down rows |")
     print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for t, mode, path, rate, ratio, ppl, gu, dn in rows:
-        print(f"| {t} | {mode} | {path} | {rate:.1f} | {ratio:.2f}x | {ppl:.3f} | {gu:.1%} | {dn:.1%} |")
+        cells = ["-" if math.isnan(v) else format(v, spec) for v, spec in ((ppl, ".3f"), (gu, ".1%"), (dn, ".1%"))]
+        print(f"| {t} | {mode} | {path} | {rate:.1f} | {ratio:.2f}x | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
