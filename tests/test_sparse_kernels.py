@@ -254,8 +254,8 @@ def test_down_rows_are_checked():
 @pytest.mark.parametrize("isa", AVAILABLE)
 @pytest.mark.parametrize("dn_fmt", ["q4r", "q4r-nomin"])
 def test_q4r_groups_of_few_and_many_survivors(isa, dn_fmt):
-    """q4r down: groups of 32 neurons with up to four survivors take one fused pass (AVX-512),
-    fuller groups the buffered one; both against NumPy, in one call."""
+    """q4r down: on AVX-512 every group of 32 neurons takes one fused pass whatever its survivors
+    (1 to 32 here), the other paths the buffered one; against NumPy, in one call."""
     sparse_isa(isa)
     n, d = 256, 160
     gf, gparts, G_, U_ = gate_up("q4", n, d)

@@ -435,18 +435,18 @@ static void scale_group_avx512(float *p, const float *acc, const uint16_t *sc, c
                         mn ? mn + G * g : NULL, vsum);
 }
 
-/* One pass of a whole q4r group of R <= AXPY_ROWS survivors: their rows summed (weights v[r]) in
-   registers and scaled straight into p, with the arithmetic of axpy_q4 then scale_group in their
-   order (the same bits) but no acc buffer to clear, store and reload. next[r]: rows to prefetch
-   (the next group's survivors) or NULL. */
+/* One pass of a whole q4r group of R survivors (at most G, as the group holds G neurons): their
+   rows summed (weights v[r]) in registers and scaled straight into p, with the arithmetic of
+   axpy_q4 then scale_group in their order (the same bits) but no acc buffer to clear, store and
+   reload. next[0..n_next): rows to prefetch meanwhile (the next group's survivors). */
 __attribute__((target("avx512f,avx512bw,f16c")))
 static void axpy_scaled_q4r_avx512(float *p, const uint8_t *const *q, const float *v, int R, const uint16_t *sc,
-                                   const uint16_t *mn, float vsum, int64_t ng, const uint8_t *const *next) {
+                                   const uint16_t *mn, float vsum, int64_t ng, const uint8_t *const *next,
+                                   int n_next) {
     const __m128i low4 = _mm_set1_epi8(15);
     for (int64_t g = 0; g < ng; g++) {
         if (g % 4 == 0)
-            for (int r = 0; r < AXPY_ROWS; r++)
-                if (next[r]) _mm_prefetch((const char *)(next[r] + 16 * g), _MM_HINT_T0);
+            for (int r = 0; r < n_next; r++) _mm_prefetch((const char *)(next[r] + 16 * g), _MM_HINT_T0);
         __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             const __m128i w = _mm_loadu_si128((const __m128i *)(q[r] + 16 * g));
@@ -545,19 +545,20 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
     for (int64_t k = 0; k < m;) {
         const int64_t grp = idx[k] / G;
 #ifdef PINFER_X86
-        int64_t e = k;
-        while (e < m && e - k <= AXPY_ROWS && idx[e] / G == grp) e++;
-        if (isa == ISA_AVX512 && e - k <= AXPY_ROWS) {     /* a group of few survivors: one pass */
-            const uint8_t *q[AXPY_ROWS], *next[AXPY_ROWS];
-            float v[AXPY_ROWS], vsum = 0.0f;
-            for (int r = 0; r < AXPY_ROWS; r++) {
-                q[r] = k + r < e ? (const uint8_t *)f->dn_q + (int64_t)idx[k + r] * (d / 2) + c0 / 2 : NULL;
-                next[r] = e + r < m ? (const uint8_t *)f->dn_q + (int64_t)idx[e + r] * (d / 2) + c0 / 2 : NULL;
-                v[r] = k + r < e ? val[k + r] : 0.0f;
+        if (isa == ISA_AVX512) {     /* the group's survivors in one pass */
+            int64_t e = k, e2;
+            while (e < m && idx[e] / G == grp) e++;
+            for (e2 = e; e2 < m && idx[e2] / G == idx[e] / G; e2++) {}
+            const uint8_t *q[G], *next[G];
+            float v[G], vsum = 0.0f;
+            for (int64_t r = 0; r < e - k; r++) {
+                q[r] = (const uint8_t *)f->dn_q + (int64_t)idx[k + r] * (d / 2) + c0 / 2;
+                v[r] = val[k + r];
                 vsum += v[r];
             }
+            for (int64_t r = 0; r < e2 - e; r++) next[r] = (const uint8_t *)f->dn_q + (int64_t)idx[e + r] * (d / 2) + c0 / 2;
             axpy_scaled_q4r_avx512(p, q, v, (int)(e - k), f->dn_scale + grp * d + c0,
-                                   f->dn_min ? f->dn_min + grp * d + c0 : NULL, vsum, ng, next);
+                                   f->dn_min ? f->dn_min + grp * d + c0 : NULL, vsum, ng, next, (int)(e2 - e));
             k = e;
             continue;
         }
