@@ -156,6 +156,52 @@ static float dot_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16
     return _mm512_reduce_add_ps(acc) + (min ? 1.0f : -8.0f) * _mm512_reduce_add_ps(macc);
 }
 
+/* Four q4 rows (q, scale, min advancing by the strides qs and ss per row) against one x in one
+   pass: each x chunk is loaded once for the four, and four rows stream at once. Each sum is
+   computed as dot_q4_avx512 computes it alone (the same bits). next: four rows (stride qs) to
+   prefetch meanwhile, or NULL. */
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c")))
+static void dot4_q4_avx512(const uint8_t *q, int64_t qs, const uint16_t *scale, const uint16_t *min, int64_t ss,
+                           const qx_t *x, int64_t d, float *out, const uint8_t *next) {
+    const int64_t ng = d / G;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (int64_t g = 0; g < ng; g += 4) {
+        const int64_t k = ng - g < 4 ? ng - g : 4;
+        const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
+        const __mmask16 m4 = (__mmask16)((1u << (4 * k)) - 1);
+        const __mmask8 m1 = (__mmask8)((1u << k) - 1);
+        const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + g * G);
+        const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + g * G + 16 * k);
+        const __m512 lanes = _mm512_maskz_loadu_ps(m4, x->lanes + 4 * g);
+        if (next)
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(next + r * qs + g * 16), _MM_HINT_T0);
+#define PINFER_ROW(r, acc)                                                                                    \
+        {                                                                                                    \
+            const __m512i v = _mm512_maskz_loadu_epi8(m, q + (r) * qs + g * 16);                                \
+            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, low4), xe);          \
+            s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), xo);                \
+            const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_castsi128_si256(          \
+                _mm_maskz_loadu_epi16(m1, scale + (r) * ss + g))));                                          \
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sw, lanes), acc);                     \
+        }
+        PINFER_ROW(0, acc0) PINFER_ROW(1, acc1) PINFER_ROW(2, acc2) PINFER_ROW(3, acc3)
+#undef PINFER_ROW
+    }
+    const __m512 accs[4] = {acc0, acc1, acc2, acc3};
+    for (int r = 0; r < 4; r++) {
+        const uint16_t *mn = (min ? min : scale) + r * ss;
+        __m512 macc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ng; g += 16) {
+            const __mmask16 mm = ng - g >= 16 ? 0xffff : (__mmask16)((1u << (ng - g)) - 1);
+            macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mm, mn + g)),
+                                   _mm512_maskz_loadu_ps(mm, x->sum + g), macc);
+        }
+        out[r] = _mm512_reduce_add_ps(accs[r]) + (min ? 1.0f : -8.0f) * _mm512_reduce_add_ps(macc);
+    }
+}
+
 __attribute__((target("avx2,fma,f16c")))
 static float dot_q4_avx2(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d) {
     const int64_t ng = d / G;
@@ -610,6 +656,17 @@ static int down_rows(const rows_t *wd, const int32_t *idx, const float *val, int
     qx_t qh = {(int8_t *)(buf + n + ng * 2 + n / 8), buf + n, buf + n + ng, buf + n + ng + n / 8};
     const int t = n * d >= PARALLEL_WORK ? threads : 1;
     quantize_x(h, n, &qh);
+#ifdef PINFER_X86
+    if (isa == ISA_AVX512) {    /* four rows a pass share the loads of h (d is a multiple of 32) */
+        FOR_THREADS(t, b, d / 4, {
+            const int64_t i = 4 * b;
+            dot4_q4_avx512(wd->q + i * (n / 2), n / 2, wd->scale + i * ng, wd->min ? wd->min + i * ng : NULL, ng,
+                           &qh, n, y + i, i + 4 < d ? wd->q + (i + 4) * (n / 2) : NULL);
+        });
+        free(buf);
+        return 0;
+    }
+#endif
     FOR_THREADS(t, i, d, {
         y[i] = dot_q4(wd->q + i * (n / 2), wd->scale + i * ng, wd->min ? wd->min + i * ng : NULL, &qh, n, NULL);
     });
