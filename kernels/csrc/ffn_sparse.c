@@ -283,8 +283,39 @@ static float dot_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *min
     return dot_q4_portable(q, scale, min, x, d);
 }
 
+#ifdef PINFER_X86
+/* next: a row of as many halves to prefetch meanwhile, or NULL. */
+__attribute__((target("avx512f,f16c")))
+static float dot_f16_avx512(const uint16_t *w, const float *x, int64_t d, const uint16_t *next) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) {     /* d is a multiple of 32 */
+        if (next) _mm_prefetch((const char *)(next + i), _MM_HINT_T0);
+        a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i))), _mm512_loadu_ps(x + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 16))),
+                             _mm512_loadu_ps(x + i + 16), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+/* y[0, nc) += sum over r < R of v[r] * f16 row q[r]: R rows per pass load and store y once. */
+__attribute__((target("avx512f,f16c")))
+static void axpy_f16_avx512(float *y, const uint16_t *const *q, const float *v, int R, int64_t nc) {
+    for (int64_t i = 0; i < nc; i += 16) {
+        __m512 acc = _mm512_loadu_ps(y + i);
+        for (int r = 0; r < R; r++)
+            acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q[r] + i))),
+                                  _mm512_set1_ps(v[r]), acc);
+        _mm512_storeu_ps(y + i, acc);
+    }
+}
+#endif
+
 PINFER_CLONES
-static float dot_f16(const uint16_t *w, const float *x, int64_t d) {
+static float dot_f16(const uint16_t *w, const float *x, int64_t d, const uint16_t *next) {
+#ifdef PINFER_X86
+    if (isa == ISA_AVX512) return dot_f16_avx512(w, x, d, next);
+#endif
+    (void)next;
     const half_t *h = (const half_t *)w;
     float acc[16] = {0};
     for (int64_t i = 0; i < d; i += 16)
@@ -355,9 +386,10 @@ static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, i
     float g, u;
     if (f->gu_fmt == FMT_F16) {
         const uint16_t *row = (const uint16_t *)f->gu_q + j * 2 * d;
-        g = dot_f16(row, x, d);
+        const uint16_t *pf = next >= 0 ? (const uint16_t *)f->gu_q + next * 2 * d : NULL;
+        g = dot_f16(row, x, d, pf);
         if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
-        u = dot_f16(row + d, x, d);
+        u = dot_f16(row + d, x, d, pf ? pf + d : NULL);
     } else if (f->gu_fmt == FMT_F32) {
         const float *row = (const float *)f->gu_q + j * 2 * d;
         g = dot_f32(row, x, d);
@@ -537,6 +569,17 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
     if (f->down_fmt == FMT_F16 || f->down_fmt == FMT_F32) {
         memset(y + c0, 0, (size_t)nc * sizeof(float));
         const int wide = f->down_fmt == FMT_F32;
+#ifdef PINFER_X86
+        if (!wide && isa == ISA_AVX512) {
+            for (int64_t k = 0; k < m; k += AXPY_ROWS) {
+                const int R = m - k < AXPY_ROWS ? (int)(m - k) : AXPY_ROWS;
+                const uint16_t *q[AXPY_ROWS];
+                for (int r = 0; r < R; r++) q[r] = (const uint16_t *)f->dn_q + (int64_t)idx[k + r] * d + c0;
+                axpy_f16_avx512(y + c0, q, val + k, R, nc);
+            }
+            return;
+        }
+#endif
         for (int64_t k = 0; k < m; k++) {
             const int64_t at = (int64_t)idx[k] * d + c0;
             const float v = val[k];
