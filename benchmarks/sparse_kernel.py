@@ -3,6 +3,7 @@ dense path and ONNX Runtime's MatMulNBits on the same layer, in one process.
 
     python benchmarks/sparse_kernel.py [--shapes 7b,13b,70b] [--threads 1,2] [--reps 20]
         [--fractions 0.05,0.1,0.25,0.5,1] [--rows-from 0.5]
+    python benchmarks/sparse_kernel.py --batch 2,8,16,32,64 [--batch-active 0.1,0.25] [--shapes 7b]
 
 Weights are random bytes in the layouts a converted file holds: INT4 (q4, group 32, f16 scale,
 no min, the MatMulNBits convention) or FP16 gate/up bundles, and down_t rows of the same format.
@@ -68,8 +69,8 @@ def ort_layer(gu, dn_fmt, dn, n, d, threads):
         numpy_helper.from_array(gu["scale"].astype(np.float32).reshape(-1), "gu_s"),
         numpy_helper.from_array(q_down, "dn_q"),
         numpy_helper.from_array(scale.astype(np.float32).reshape(-1), "dn_s"),
-        numpy_helper.from_array(np.array([1, n, 2], np.int64), "shape3"),
-        numpy_helper.from_array(np.array([1, n], np.int64), "shape2"),
+        numpy_helper.from_array(np.array([-1, n, 2], np.int64), "shape3"),
+        numpy_helper.from_array(np.array([-1, n], np.int64), "shape2"),
     ]
     mm = dict(domain="com.microsoft", bits=4, block_size=32, accuracy_level=4)
     nodes = [
@@ -82,15 +83,15 @@ def ort_layer(gu, dn_fmt, dn, n, d, threads):
         helper.make_node("Reshape", ["h3", "shape2"], ["h"]),
         helper.make_node("MatMulNBits", ["h", "dn_q", "dn_s"], ["y"], K=n, N=d, **mm),
     ]
-    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, d])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, d])], initializer=inits)
+    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", d])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["tokens", d])], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return lambda x: sess.run(None, {"x": x[None]})
+    return lambda x: sess.run(None, {"x": x.reshape(-1, d)})
 
 
 def median_time(fn, reps):
@@ -119,6 +120,61 @@ def rotating_sets(ffn, x, y, n, frac, rng):
     return call
 
 
+def power_law_sets(n, frac, count, rng, alpha=1.0):
+    """`count` active sets drawn as benchmarks/synthetic_decode.py draws them: neuron j (hot first)
+    fires with probability min(1, c (j+1)^-alpha), mean frac."""
+    base = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+    lo, hi = 0.0, float(n)
+    for _ in range(100):
+        c = (lo + hi) / 2
+        lo, hi = (c, hi) if np.minimum(1.0, c * base).mean() < frac else (lo, c)
+    p = np.minimum(1.0, c * base)
+    return [np.flatnonzero(rng.random(n) < p).astype(np.int32) for _ in range(count)]
+
+
+def batch_table(a, rng):
+    """Prompt processing: per token, the kernel's batch call over the union of power-law active
+    sets against the same tokens' single calls and ONNX Runtime's dense layer on the whole batch."""
+    print("\nPrompts (INT4, q4r down with W_down rows): ms per token of one layer; each token's active set "
+          "drawn from the power law (alpha 1) at the given mean fraction\n")
+    print("| shape | threads | active | tokens | union of sets | single calls | batch call | ORT dense batch "
+          "| batch vs single | batch vs ORT |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for shape in a.shapes.split(","):
+        d, n = SHAPES[shape]
+        gu, dn = random_layer("q4", n, d, rng, "q4r")
+        for threads in map(int, a.threads.split(",")):
+            ffn = SparseFFN(gu, dn, n, d, threads=threads, down_rows="transpose", rows_from=a.rows_from)
+            run_ort = ort_layer(gu[1], dn[0], dn[1], n, d, threads)
+            for frac in map(float, a.batch_active.split(",")):
+                for nt in map(int, a.batch.split(",")):
+                    x = rng.standard_normal((nt, d)).astype(np.float32)
+                    y = np.empty_like(x)
+                    reps = max(3, a.reps // 4)
+                    sets = [power_law_sets(n, frac, nt, rng) for _ in range(reps + 1)]
+                    single = ffn.bind(x[0], y[0], "given")
+                    batch = ffn.bind_batch(x, y, "given")
+                    it = {"s": 0, "b": 0}
+
+                    def singles():
+                        for s in sets[it["s"] % len(sets)]:
+                            ffn.set_candidates(s)
+                            single()
+                        it["s"] += 1
+
+                    def batched():
+                        batch.set_candidates(sets[it["b"] % len(sets)])
+                        batch()
+                        it["b"] += 1
+                    t_s, t_b, t_o = (median_time(f, reps) / nt for f in (singles, batched, lambda: run_ort(x)))
+                    union = np.mean([len(np.unique(np.concatenate(s))) for s in sets]) / n
+                    print(f"| {shape} | {threads} | {frac:.0%} | {nt} | {union:.0%} | {t_s * 1e3:.3f} | "
+                          f"{t_b * 1e3:.3f} | {t_o * 1e3:.3f} | {t_s / t_b:.2f}x | {t_o / t_b:.2f}x |", flush=True)
+            del ffn, run_ort
+        del gu, dn
+    print("\nbatch vs single / vs ORT: how many times faster the batch call is (>1: faster).")
+
+
 def row_bytes(fmt, d):
     return 2 * d if fmt == "f16" else d // 2 + 2 * (d // 32)
 
@@ -135,8 +191,15 @@ def main(argv=None):
     ap.add_argument("--rows-from", type=float, default=None,
                     help="share of surviving neurons from which int4 q4r runs the down projection as row "
                          "dots over W_down (default kernels.ROWS_FROM; above 1: never)")
+    ap.add_argument("--batch", default=None,
+                    help="prompt sizes, e.g. 8,16,32,64: time the batch call instead of the single-token table")
+    ap.add_argument("--batch-active", default="0.1,0.25", help="mean active fractions of the --batch table")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
+    if a.batch:
+        print(f"sparse kernels: {sparse_isa()} path")
+        batch_table(a, rng)
+        return
     rows = "never" if (a.rows_from or 0) > 1 else f"from {ROWS_FROM if a.rows_from is None else a.rows_from:.0%} surviving"
     print(f"sparse kernels: {sparse_isa()} path; int4 down_t as {a.down}; row dots over W_down (q4r): {rows}\n")
     print("| shape (d x n_ff) | format | threads | active | ms | GB/s | vs our dense | vs ORT MatMulNBits |")

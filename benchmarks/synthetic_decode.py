@@ -127,6 +127,19 @@ def decode_rate(model, tokens):
     return tokens / (time.perf_counter() - t)
 
 
+def prompt_rate(model, n, kernel):
+    """Tokens per second of an n-token prompt, its FFN through the kernel's batch call or the dense
+    graphs (best of two)."""
+    model.prefill_through_kernel(n if kernel else 0)
+    best = np.inf
+    for _ in range(2):
+        model.reset()
+        t = time.perf_counter()
+        model.forward([300 + k for k in range(n)])
+        best = min(best, time.perf_counter() - t)
+    return n / best
+
+
 def llamacpp_rate(py, gguf_path, threads, n):
     out = subprocess.run([py, str(Path(__file__).with_name("llamacpp_side.py")), "decode", str(gguf_path),
                           "--threads", str(threads), "-n", str(n)], check=True, capture_output=True, text=True)
@@ -162,18 +175,21 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--llama-python", help="python of an environment with llama-cpp-python")
     ap.add_argument("--cache", type=Path, default=CACHE)
+    ap.add_argument("--prompt", type=int, default=32,
+                    help="also time a prompt of this many tokens (at most 64; 0: no prompt rows)")
     a = ap.parse_args(argv)
 
     from pinfer.runtime.model import Model, RuntimeOptions
 
     gguf_path, pinf = synthetic_model(a.shape, a.layers, a.cache)
     actives = [float(x) for x in a.active.split(",")]
-    rows = []
+    rows, prompts = [], []
     for threads in (int(x) for x in a.threads.split(",")):
         m = Model(pinf, RuntimeOptions(threads=threads, n_ctx=256, device="cpu"))
         rng = np.random.default_rng(threads)
         profiles = {f: power_law(m.cfg.n_ff, f, a.alpha) for f in actives}
         rates = {name: [] for name in ["dense"] + [f"sparse {f:.0%}" for f in actives]}
+        prompt = {}
         drawn, mb = {}, {}
         for _ in range(a.repeats):
             m.set_sparsity("dense")
@@ -185,6 +201,11 @@ def main(argv=None):
                 name = f"sparse {f:.0%}"
                 rates[name].append(decode_rate(m, a.tokens))
                 drawn[name], mb[name] = share, m.weight_bytes_per_token() / 1e6
+                if a.prompt:
+                    draw, _ = draws(profiles[f], m.cfg.n_layer, 4 * a.prompt, rng)
+                    m.set_active_sets(draw)
+                    prompt.setdefault(f"{f:.0%}", []).append((prompt_rate(m, a.prompt, False),
+                                                               prompt_rate(m, a.prompt, True)))
         llama = llamacpp_rate(a.llama_python, gguf_path, threads, a.tokens) if a.llama_python else None
         dense = statistics.median(rates["dense"])
         for name, r in rates.items():
@@ -193,6 +214,8 @@ def main(argv=None):
                          tok_s / llama if llama else None))
         if llama:
             rows.append((threads, "llama.cpp (dense)", 1.0, None, llama, llama / dense, 1.0))
+        for f, pairs in prompt.items():
+            prompts.append((threads, f, *(statistics.median(p[k] for p in pairs) for k in (0, 1))))
         del m
     print(f"\n{a.shape}-shaped, {a.layers} layers, Q4_0; power-law alpha {a.alpha}; {a.tokens} tokens x "
           f"{a.repeats} repeats (median)\n")
@@ -201,6 +224,14 @@ def main(argv=None):
     for t, name, share, mbt, tok_s, vs_dense, vs_llama in rows:
         print(f"| {t} | {name} | {share:.1%} | {'' if mbt is None else f'{mbt:.0f}'} | {tok_s:.2f} | "
               f"{vs_dense:.2f}x | {'' if vs_llama is None else f'{vs_llama:.2f}x'} |")
+
+    if prompts:
+        print(f"\nPrompt of {a.prompt} tokens, the same power-law active sets: the FFN through the kernel's batch "
+              "call (the union of the tokens' sets read once) against the dense graphs\n")
+        print("| threads | active | dense graphs tok/s | kernel batch tok/s | ratio |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for t, f, dense_r, kernel_r in prompts:
+            print(f"| {t} | {f} | {dense_r:.2f} | {kernel_r:.2f} | {kernel_r / dense_r:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ def _load():
     lib.pinfer_down.restype = None
     lib.pinfer_ffn_call.argtypes = [p]
     lib.pinfer_ffn_call.restype = c_int
+    lib.pinfer_ffn_batch.argtypes = [p, i64]
+    lib.pinfer_ffn_batch.restype = c_int
     lib.pinfer_sparse_isa.argtypes = [c_int]
     lib.pinfer_sparse_isa.restype = c_int
     return lib
@@ -30,6 +32,7 @@ def _load():
 
 _lib = _load()
 MAX_D = 65536   # d_model the sparse FFN's stack buffers hold (ffn_sparse.c)
+MAX_BATCH = 64  # tokens of one batch call (ffn_sparse.c: a neuron's tokens are one 64-bit mask)
 
 # format -> (code in kernels/csrc/ffn_down.c, {part: (dtype, shape(n, d))})
 _DOWN_FORMATS = {
@@ -196,14 +199,47 @@ class SparseFFN:
         run.keep = (call, x, y, self)     # the weights and scratch the call points into
         return run
 
-    def _check(self, x, y, mode):
+    def bind_batch(self, x, y, mode="dense", threshold=0.0, pred_threshold=0.0):
+        """bind() for a batch: x, y float32 (tokens, d), at most MAX_BATCH tokens, each token's
+        result the bits of its own single call; the weight rows any token needs are read once. The
+        callable returns (candidates, survivors), each summed over the tokens."""
+        nt = x.shape[0] if x.ndim == 2 else 0
+        if not 1 <= nt <= MAX_BATCH or x.shape != (nt, self.d) or y.shape != (nt, self.d):
+            raise ValueError(f"a sparse FFN batch is (tokens, {self.d}) float32 for x and y, 1 to {MAX_BATCH} tokens; "
+                             f"found x {x.shape}, y {y.shape}")
+        self._check(x, y, mode, size=nt * self.d)
+        idx, val, counts = (np.empty((nt, self.n_ff), np.int32), np.empty((nt, self.n_ff), np.float32),
+                            np.zeros((nt, 2), np.int64))
+        call = _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, *self.gu, *self.dn, *self.pred[:5],
+                     self.pred[5], threshold, pred_threshold, x.ctypes.data, y.ctypes.data, self.n_ff, self.d,
+                     idx.ctypes.data, val.ctypes.data, counts.ctypes.data, self.threads, self.rows)
+        ref, f = ctypes.byref(call), _lib.pinfer_ffn_batch
+
+        def run():
+            if f(ref, nt):
+                raise ValueError("the sparse FFN kernel refused its sizes, or ran out of memory")
+            total = counts.sum(axis=0)
+            return int(total[0]), int(total[1])
+
+        def set_candidates(cands):
+            """Each token's neurons for the next "given" run: ascending int32 indices, unchecked."""
+            for t, cand in enumerate(cands):
+                idx[t, :len(cand)] = cand
+                counts[t, 0] = len(cand)
+        run.set_candidates = set_candidates
+        run.counts, run.idx, run.val = counts, idx, val
+        run.keep = (call, x, y, self)
+        return run
+
+    def _check(self, x, y, mode, size=None):
         if mode not in SPARSE_MODES:
             raise ValueError(f"sparse FFN mode {mode!r} is not one of {', '.join(SPARSE_MODES)}")
         if mode in ("predicted", "relu") and self.pred[0] is None:
             raise ValueError(f"mode {mode} needs a predictor")
         for a, name in ((x, "x"), (y, "y")):
-            if a.dtype != np.float32 or not a.flags.c_contiguous or a.size != self.d:
-                raise ValueError(f"sparse FFN buffer {name} {a.dtype} {a.shape} is not {self.d} float32 values")
+            if a.dtype != np.float32 or not a.flags.c_contiguous or a.size != (size or self.d):
+                raise ValueError(f"sparse FFN buffer {name} {a.dtype} {a.shape} is not {size or self.d} float32 "
+                                 "values in one contiguous block")
 
     def __call__(self, x, y, mode="dense", threshold=0.0, pred_threshold=0.0, candidates=None):
         """x, y: float32 (d,). Returns (candidates, survivors). Mode "given" computes the neurons

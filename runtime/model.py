@@ -57,7 +57,8 @@ DEFAULT_CTX = 4096
 # stopping after TIMING_BUDGET_S once 3 are counted); prompts are then timed at PREFILL_SIZES.
 KEEP_BELOW = 0.95
 TIMING_TOKENS, TIMING_WARMUP, TIMING_BUDGET_S = 10, 2, 1.0
-PREFILL_SIZES = (2, 4, 8, 16)
+PREFILL_BUDGET_S = 0.5      # the prompt timing stops at the first size past this much time
+PREFILL_SIZES = (2, 4, 8, 16, 32, 64)       # 64: kernels.MAX_BATCH, the most tokens of one batch call
 TIMING_TEXT = ("The history of the city begins in the early middle ages , when a small market grew around the "
                "river crossing . Its people traded wool , grain and salt , and by the year 1200 the town had a "
                "church , a bridge and a wall")
@@ -275,7 +276,8 @@ class Model:
         if self.use_kernels not in ("auto", "on", "off"):
             raise ValueError(f"ffn kernel {options.kernels!r} is not one of auto, on, off")
         self.path_choices = []      # what --ffn-kernel auto measured and chose, one entry per rule
-        self.prefill_by_token = 0   # prompts of 2..this many tokens take the decode path
+        self.prefill_by_token = 0   # prompts of 2..this many tokens take the kernel's batch call
+        self.prefill_times = []     # (prompt length, kernel batch time / dense graphs' time), _choose_prefill
         self.attn = self.layers if gpu_dense else None   # attention-only sessions, made on first need
 
         kv_shape = (1, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
@@ -309,7 +311,7 @@ class Model:
         if any(self.ffns):
             self._attention_sessions()
         self._shape = None      # the bound steps call the rules: bind again
-        self.path_choices, self.prefill_by_token = [], 0
+        self.path_choices, self.prefill_by_token, self.prefill_times = [], 0, []
         if self.use_kernels == "auto" and self.device == "cpu" and any(self.ffns):
             self._choose_paths()
 
@@ -334,7 +336,7 @@ class Model:
         self.draw = draw
         self._attention_sessions()
         self._shape = None
-        self.path_choices, self.prefill_by_token = [], 0
+        self.path_choices, self.prefill_by_token, self.prefill_times = [], 0, []
 
     def _sparse_ffn(self, i):
         """The fused kernel (or the hybrid) for layer i's decode, or None where the ONNX graph and
@@ -546,19 +548,36 @@ class Model:
         # the GPU, resid stays there, and so do x and delta in decode, where every layer's FFN
         # step reads and writes device memory; prefill's FFN runs on the host buffers.
         on_gpu = self.act_at == "cuda" and n == 1
+        kernel = n == 1 or self._batches(n)     # prompts up to prefill_by_token: the kernel's batch call
         self._head_shape = None      # the head binds to these buffers again
         self.resid = [Buf((1, n, d), self.act_dtype, self.act_at) for _ in range(2)]
         self.delta = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
         self.x = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
         self.h = np.zeros((1, n, self.cfg.n_ff), np.float32)
         self.steps = [s for i in range(self.cfg.n_layer)
-                      for s in self._layer_steps(i, n == 1 and self.ffns[i] is not None, on_gpu)]
+                      for s in self._layer_steps(i, kernel and self.ffns[i] is not None, on_gpu, n=n)]
         self._shape = n
 
-    def _layer_steps(self, i, kernel, on_gpu=False, rule=None, entry=None):
+    def prefill_through_kernel(self, up_to):
+        """Send prompts of up to `up_to` tokens (at most PREFILL_SIZES[-1]) through the kernel's
+        batch call, longer ones through the dense graphs, instead of what _choose_prefill chose:
+        for benchmarks and tests. 0: every prompt through the dense graphs."""
+        if not 0 <= up_to <= PREFILL_SIZES[-1]:
+            raise ValueError(f"the kernel's batch call takes prompts of up to {PREFILL_SIZES[-1]} tokens, "
+                             f"not {up_to}")
+        self.prefill_by_token, self._shape = up_to, None
+
+    def _batches(self, n):
+        """Whether a prompt of n tokens runs through the kernel's batch call (prefill_by_token,
+        set by _choose_prefill; the CPU's kernels only)."""
+        return 1 < n <= self.prefill_by_token and self.dense_device != "gpu" and \
+            all(f is None or hasattr(f[0], "bind_batch") for f in self.ffns)
+
+    def _layer_steps(self, i, kernel, on_gpu=False, rule=None, entry=None, n=1):
         """Layer i's steps over the bound buffers: the attention-only session and the fused FFN
-        kernel (decode; `entry` as in self.ffns, default the layer's), or the whole layer graph,
-        `rule` (default the layer's) and the down projection."""
+        kernel (decode, or a prompt of n tokens in one batch call; `entry` as in self.ffns, default
+        the layer's), or the whole layer graph, `rule` (default the layer's) and the down
+        projection."""
         layer = self.attn[i] if kernel else self.layers[i]
         if not kernel:
             layer.bind_out("ffn_h", self.h)
@@ -567,7 +586,7 @@ class Model:
         layer.bind_out("resid_out", self.resid[(i + 1) % 2])
         layer.bind_out("ffn_x", self.x)
         if kernel:
-            return [layer.run, self._kernel_step(i, on_gpu, entry)]
+            return [layer.run, self._kernel_step(i, on_gpu, entry) if n == 1 else self._batch_step(i, n)]
         return [layer.run, (rule or self.rules[i]).bind(self.x.np[0], self.h[0]),
                 self.downs[i].bind(self.h[0], self.delta.np[0])]
 
@@ -590,6 +609,23 @@ class Model:
             c.add(cand, kept, cand, n_ff if kept >= rows_from else kept, n_ff)   # the axpy reads what it keeps
         return step
 
+    def _batch_step(self, i, n):
+        """Layer i's FFN over the n tokens of a prompt in one call of the kernel: each token gets
+        the bits of its own decode call, the weight rows read once for all of them."""
+        ffn, mode, thr, pthr = self.ffns[i]
+        run = ffn.bind_batch(self.x.np[0], self.delta.np[0], mode, thr, pthr)
+        c, n_ff, draw = self.counters, self.cfg.n_ff, self.draw if mode == "given" else None
+        rows = getattr(ffn, "rows", None)
+        rows_from = rows.from_ if rows is not None and rows.q else n_ff + 1
+
+        def step():
+            if draw:
+                run.set_candidates([draw(i) for _ in range(n)])
+            run()
+            for cand, kept in run.counts:
+                c.add(cand, kept, cand, n_ff if kept >= rows_from else kept, n_ff)
+        return step
+
     # -- --ffn-kernel auto ------------------------------------------------------------------------
     def _choose_paths(self):
         """Decode a few tokens with every sparse layer run three ways: the fused kernel under its
@@ -598,7 +634,7 @@ class Model:
         time is under KEEP_BELOW of the faster exact way (median over tokens); otherwise they run
         the faster exact way, rule dropped, the kernel's dense mode only where it is under
         KEEP_BELOW of the graph's. Each choice is printed and kept in path_choices; where a kernel
-        stays, prompts of up to prefill_by_token tokens take the decode path (_choose_prefill)."""
+        stays, prompts of up to prefill_by_token tokens take its batch call (_choose_prefill)."""
         cfg = self.cfg
         groups = {}
         for i, f in enumerate(self.ffns):
@@ -611,18 +647,14 @@ class Model:
                  else (self._layer_steps(i, False),) for i in range(cfg.n_layer)]
         ids = timing_tokens(self.tokenizer_spec, self.cfg.vocab, TIMING_TOKENS)
         spent = {name: [] for name in groups}      # per token: seconds of each way over the rule's layers
-        other = []                                 # per token: seconds of the layers with one way
         t_start = time.perf_counter()
         for t, tok in enumerate(ids):
             self._start(np.asarray([tok]), 1)
             acc = {name: [0.0, 0.0, 0.0] for name in groups}
-            rest = 0.0
             for i in range(cfg.n_layer):
                 if len(steps[i]) == 1:
-                    t0 = time.perf_counter()
                     for step in steps[i][0]:
                         step()
-                    rest += time.perf_counter() - t0
                     continue
                 saved = self.delta.np.copy()     # every way reads the previous layer's FFN output
                 for k, way in enumerate(np.roll((0, 1, 2), t + i)):
@@ -634,14 +666,12 @@ class Model:
                     acc[self.rules[i].rule.name][way] += time.perf_counter() - t0
             self.n_past += 1
             if t >= TIMING_WARMUP:
-                other.append(rest)
                 for name, times in acc.items():
                     spent[name].append(times)
-                if time.perf_counter() - t_start > TIMING_BUDGET_S and len(other) >= 3:
+                if time.perf_counter() - t_start > TIMING_BUDGET_S and t - TIMING_WARMUP >= 2:
                     break
         self.reset()
         self.counters.reset()
-        kernel_token = np.asarray(other)
         for name, layers in groups.items():
             times = np.asarray(spent[name])
             rule_r, dense_r = (float(np.median(times[:, k] / times[:, 2])) for k in (0, 1))
@@ -652,8 +682,6 @@ class Model:
                 for i in layers:
                     self.rules[i] = LayerRule(self.reader, self.reader.header, i, Rule("dense"), self.counters)
                     self.ffns[i] = (self.ffns[i][0], "dense", 0.0, 0.0) if path == "kernel-dense" else None
-            if path != "dense":
-                kernel_token = kernel_token + times[:, 0 if path == "kernel" else 1]
             does = {"kernel": f"decoding through the kernel under {name}",
                     "kernel-dense": "running these layers dense through the kernel (rule dropped)",
                     "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[path]
@@ -662,31 +690,43 @@ class Model:
                   f"its dense mode {dense_r:.2f}x: {does}", file=sys.stderr)
         self._shape = None
         if any(self.ffns):
-            self._choose_prefill(ids, float(np.median(kernel_token)))
+            self._choose_prefill()
         elif self.dense_device != "gpu":
             self.attn = None        # the attention-only sessions go unused
 
-    def _choose_prefill(self, ids, kernel_token):
-        """The largest prompt length (of 2, 4, 8, 16) at which the kernel's per-token decode beats
-        the dense graphs' batched prompt processing per token; prompts up to it go token by token."""
-        self.prefill_by_token = 0
+    def _choose_prefill(self):
+        """prefill_by_token: the largest prompt length (of PREFILL_SIZES) up to which the kernel's
+        batch call over the union of the tokens' candidates beats the dense graphs' batched prompt
+        processing, both timed here (best of two); prompts up to it take the batch call. As the
+        union grows with the prompt and the dense graphs' cost per token falls, the first length
+        where the kernel loses ends the search, as does PREFILL_BUDGET_S."""
+        ids = timing_tokens(self.tokenizer_spec, self.cfg.vocab, PREFILL_SIZES[-1])
+        chosen, times, t_start = 0, [], time.perf_counter()
         for n in PREFILL_SIZES:
-            if n > len(ids) or n > self.n_ctx:
+            if n > self.n_ctx or time.perf_counter() - t_start > PREFILL_BUDGET_S:
                 break
-            best = np.inf
-            for _ in range(2):
-                self.reset()
-                t0 = time.perf_counter()
-                self.forward(list(ids[:n]))
-                best = min(best, (time.perf_counter() - t0) / n)
-            if kernel_token >= best:
+            best = []
+            for by_kernel in (n, 0):
+                self.prefill_by_token, self._shape = by_kernel, None
+                t = np.inf
+                for _ in range(2):
+                    self.reset()
+                    t0 = time.perf_counter()
+                    self.forward(list(ids[:n]))
+                    t = min(t, time.perf_counter() - t0)
+                best.append(t)
+            times.append((n, best[0] / best[1]))
+            if best[0] >= best[1]:
                 break
-            self.prefill_by_token = n
+            chosen = n
+        self.prefill_by_token, self._shape = chosen, None
+        self.prefill_times = times
         self.reset()
         self.counters.reset()
-        if self.prefill_by_token:
-            print(f"ffn: prompts of up to {self.prefill_by_token} tokens go token by token through the kernel, "
-                  "longer ones through the dense graphs", file=sys.stderr)
+        said = ", ".join(f"{n}: {r:.2f}x" for n, r in times)
+        print(f"ffn: prompt time of the kernel's batch call against the dense graphs ({said}): "
+              + (f"prompts of up to {chosen} tokens go through the kernel, longer ones through the dense graphs"
+                 if chosen else "prompts go through the dense graphs"), file=sys.stderr)
 
     def _start(self, tokens, n):
         """Write a call's inputs: embeddings of `tokens`, a zero delta, the lengths."""
@@ -712,7 +752,7 @@ class Model:
             raise ValueError("forward() needs at least one token")
         if self.n_past + n > self.n_ctx:
             raise ContextFull(self.n_past, n, self.n_ctx)
-        if n > 1 and (self.dense_device == "gpu" or n <= self.prefill_by_token):
+        if n > 1 and self.dense_device == "gpu":
             start = n - 1 if logits_from is None else logits_from
             rows = [self.forward([t]) for t in tokens]
             return np.concatenate(rows[start:])
@@ -735,7 +775,7 @@ class Model:
             self.head.bind_out("logits", self._logits)
             self._head_shape = ("device", id(resid))
         self.head.run()
-        return self._logits[0]
+        return self._logits[0].copy()     # the buffer is the next call's: callers keep what they get
 
     def head_logits(self, resid, delta):
         m = resid.shape[1]
@@ -750,7 +790,7 @@ class Model:
         self._head_in[0][...] = resid
         self._head_in[1][...] = delta
         self.head.run()
-        return self._logits[0]
+        return self._logits[0].copy()     # the buffer is the next call's: callers keep what they get
 
 
 def _drop_output(graph, name):

@@ -77,19 +77,26 @@ def test_each_way_of_the_choice(silu_file, monkeypatch, keep_below, path):
         assert down < m.counters.read_fractions()[1] <= 1.0
 
 
-def test_prompts_up_to_the_crossover_take_the_decode_path(silu_file, monkeypatch):
+def test_prompts_up_to_the_crossover_take_the_kernels_batch_call(silu_file, monkeypatch, capfd):
+    """A prompt up to prefill_by_token runs each layer's FFN as one batch call of the kernel, which
+    gives each token its decode call's FFN: the logits match decoding the prompt token by token."""
     monkeypatch.setattr(model_mod, "KEEP_BELOW", 1e9)
     m = Model(silu_file, _opts(sparsity="down:0.3"))
-    assert m.prefill_by_token in (0, 2, 4, 8, 16)
+    assert m.prefill_by_token in (0, 2, 4, 8, 16, 32, 64)
+    lengths = [n for n, _ in m.prefill_times]
+    assert lengths == list(model_mod.PREFILL_SIZES[:len(lengths)]) and all(r > 0 for _, r in m.prefill_times)
+    assert "ffn: prompt time of the kernel's batch call against the dense graphs (2: " in capfd.readouterr().err
     ref = Model(silu_file, _opts(sparsity="down:0.3", kernels="on"))
-    m.prefill_by_token = 4
+    m.prefill_through_kernel(4)
     ref.reset()
     want = np.concatenate([ref.forward([t]) for t in IDS[:4]])
     m.reset()
     got = m.forward(IDS[:4], logits_from=0)
     assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     m.reset()
-    assert np.array_equal(m.forward(IDS[:4]), want[-1:])
+    m.counters.reset()
+    assert np.array_equal(m.forward(IDS[:4]), got[-1:])
+    assert m.counters.full == 4 * 2 * m.cfg.n_ff and m.counters.fractions()[1] < 1.0   # the rule ran, per token
     m.reset()
     longer = m.forward(IDS[:6], logits_from=0)       # past the crossover: the dense graphs, batched
     assert longer.shape[0] == 6

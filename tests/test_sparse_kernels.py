@@ -268,3 +268,76 @@ def test_q4r_groups_of_few_and_many_survivors(isa, dn_fmt):
     assert SparseFFN((gf, gparts), (df, dparts), n, d)(x, y, "given", 0.0, candidates=cand.astype(np.int32)) \
         == (len(cand), len(keep))
     np.testing.assert_allclose(y, want, rtol=0, atol=2e-4 * np.abs(want).max())
+
+
+def per_token(ffn, x, mode, thr, pred_thr, cands=None):
+    """Each row of x through its own single-token call: (y, counts, survivors)."""
+    ys, counts, kept = np.empty_like(x), [], []
+    for t in range(len(x)):
+        counts.append(ffn(x[t], ys[t], mode, thr, pred_thr, candidates=None if cands is None else cands[t]))
+        kept.append(ffn.survivors())
+    return ys, counts, kept
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+@pytest.mark.parametrize("gu_fmt, dn_fmt", CASES)
+@pytest.mark.parametrize("mode, act", [("dense", "silu"), ("down", "silu"), ("predicted", "silu"),
+                                       ("relu", "relu"), ("given", "silu")])
+def test_batch_gives_each_token_its_single_call_bits(isa, gu_fmt, dn_fmt, mode, act):
+    """The batch entry (prefill over the union of the tokens' candidates) reproduces every token's
+    single call bit for bit: its candidates, survivors and output. n = 288 spans three of the down
+    pass's blocks of 128 neurons; tokens draw different candidate sets."""
+    sparse_isa(isa)
+    n, d, nt = 288, 160, 7
+    gf, gparts, G_, U_ = gate_up(gu_fmt, n, d)
+    df, dparts, W = down(dn_fmt, n, d)
+    pred = predictor(n, d, 32)
+    x = RNG.standard_normal((nt, d)).astype(np.float32)
+    pred_thr = gap_threshold(scores(pred, x[0]), 0.6)
+    _, _, h = reference(gf, G_, U_, W, x[0], act, "dense", 0, None)
+    thr = gap_threshold(np.abs(h), 0.3)
+    cands = [np.sort(RNG.choice(n, size=k, replace=False)).astype(np.int32) for k in (0, 1, 30, 100, 200, 288, 57)]
+    ffn = SparseFFN((gf, gparts), (df, dparts), n, d, act=act, predictor=pred)
+    want, want_counts, want_kept = per_token(ffn, x, mode, thr, pred_thr, cands if mode == "given" else None)
+    y = np.full((nt, d), np.nan, np.float32)
+    run = ffn.bind_batch(x, y, mode, thr, pred_thr)
+    if mode == "given":
+        run.set_candidates(cands)
+    assert run() == tuple(np.sum(want_counts, axis=0))
+    for t in range(nt):
+        assert tuple(run.counts[t]) == want_counts[t]
+        s = want_counts[t][1]
+        assert np.array_equal(run.idx[t, :s], want_kept[t][0]) and np.array_equal(run.val[t, :s], want_kept[t][1])
+    np.testing.assert_array_equal(y, want)
+    ref, _, _ = reference(gf, G_, U_, W, x[2], act, mode if mode != "given" else "down", thr,
+                          cands[2] if mode == "given" else None if mode in ("dense", "down") else
+                          np.flatnonzero(scores(pred, x[2]) >= pred_thr))
+    np.testing.assert_allclose(y[2], ref, rtol=0, atol=2e-4 * (np.abs(ref).max() + 1e-6))
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_batch_with_row_dots_and_threads(isa):
+    """Tokens past rows_from take the row dots over W_down, the others the axpy, in one batch; a
+    layer large enough to split over threads gives the same bits on 1 and 2 threads, equal to the
+    single calls. 64 tokens (the most) pass, 65 are refused with a sentence."""
+    sparse_isa(isa)
+    n, d = 1088, 1024
+    gf, gparts, G_, U_ = gate_up("q4", n, d)
+    df, dparts, W = down("q4r", n, d)
+    x = RNG.standard_normal((64, d)).astype(np.float32)
+    cands = [np.sort(RNG.choice(n, size=int(k), replace=False)).astype(np.int32)
+             for k in np.linspace(0, n, 64)]
+    outs = []
+    for threads in (1, 2):
+        ffn = SparseFFN((gf, gparts), (df, dparts), n, d, threads=threads, down_rows="transpose", rows_from=0.5)
+        want, want_counts, _ = per_token(ffn, x, "given", 0.0, 0.0, cands)
+        assert sum(c[1] >= ffn.rows.from_ for c in want_counts) > 10 and sum(c[1] < ffn.rows.from_ for c in want_counts) > 10
+        y = np.empty_like(x)
+        run = ffn.bind_batch(x, y, "given")
+        run.set_candidates(cands)
+        run()
+        np.testing.assert_array_equal(y, want)
+        outs.append(y)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="1 to 64 tokens"):
+        ffn.bind_batch(np.zeros((65, d), np.float32), np.zeros((65, d), np.float32))

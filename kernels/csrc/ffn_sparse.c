@@ -557,17 +557,17 @@ static void scale_group(float *p, const float *acc, const uint16_t *sc16, const 
         }
 }
 
-/* y[c0, c1) = sum over survivors k of val[k] * row idx[k] of down_t, in ascending k. Rows stream
-   whole (axpy order); q4 rows land in `p` in the nibbles' order (per group of 32 columns: the even
-   columns, then the odd ones) and are put back in order at the end. p, off: scratch of nc and
-   nc/G floats. */
+/* p += sum over survivors k of val[k] * row idx[k] of down_t, columns [c0, c1), in ascending k:
+   a run of survivors that may continue in the next call (the batch splits them in blocks of whole
+   q4r groups). Rows stream whole (axpy order); q4 rows land in p in the nibbles' order (per group
+   of 32 columns: the even columns, then the odd ones), their min terms in off; down_cols_finish
+   puts them back in order. p, off, acc: scratch of nc, nc/G and nc floats, p and off zeroed before
+   the first run. */
 PINFER_CLONES
-static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int64_t m, float *y, int64_t c0,
-                      int64_t c1, float *restrict p, float *restrict off, float *restrict acc,
-                      float (*a)[MAX_D / G]) {
+static void down_cols_acc(const ffn_t *f, const int32_t *idx, const float *val, int64_t m, int64_t c0, int64_t c1,
+                          float *restrict p, float *restrict off, float *restrict acc, float (*a)[MAX_D / G]) {
     const int64_t d = f->d, nc = c1 - c0, ng = nc / G, g0 = c0 / G;
     if (f->down_fmt == FMT_F16 || f->down_fmt == FMT_F32) {
-        memset(y + c0, 0, (size_t)nc * sizeof(float));
         const int wide = f->down_fmt == FMT_F32;
 #ifdef PINFER_X86
         if (!wide && isa == ISA_AVX512) {
@@ -575,7 +575,7 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
                 const int R = m - k < AXPY_ROWS ? (int)(m - k) : AXPY_ROWS;
                 const uint16_t *q[AXPY_ROWS];
                 for (int r = 0; r < R; r++) q[r] = (const uint16_t *)f->dn_q + (int64_t)idx[k + r] * d + c0;
-                axpy_f16_avx512(y + c0, q, val + k, R, nc);
+                axpy_f16_avx512(p, q, val + k, R, nc);
             }
             return;
         }
@@ -583,7 +583,7 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
         for (int64_t k = 0; k < m; k++) {
             const int64_t at = (int64_t)idx[k] * d + c0;
             const float v = val[k];
-            float *restrict yo = y + c0;
+            float *restrict yo = p;
             if (wide)
                 for (int64_t i = 0; i < nc; i++) yo[i] += v * ((const float *)f->dn_q)[at + i];
             else
@@ -591,10 +591,7 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
         }
         return;
     }
-    memset(p, 0, (size_t)nc * sizeof(float));
-    memset(off, 0, (size_t)ng * sizeof(float));
     if (f->down_fmt == FMT_Q8) {
-        memset(y + c0, 0, (size_t)nc * sizeof(float));
         for (int64_t k = 0; k < m; k++) {
             const int64_t j = idx[k];
             const uint8_t *restrict q = (const uint8_t *)f->dn_q + j * d + c0;
@@ -602,7 +599,7 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
             const float v = val[k];
             for (int64_t g = 0; g < ng; g++) {
                 const float a = v * HALF(sc[g]);
-                float *restrict yo = y + c0 + g * G;
+                float *restrict yo = p + g * G;
                 for (int e = 0; e < G; e++) yo[e] += a * (float)((int)q[g * G + e] - 128);
             }
         }
@@ -622,11 +619,6 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
             }
             axpy_q4(p, q, (const float (*)[MAX_D / G])a, R, ng);
         }
-        for (int64_t g = 0; g < ng; g++)
-            for (int e = 0; e < 16; e++) {
-                y[c0 + g * G + 2 * e] = p[g * G + e] + off[g];
-                y[c0 + g * G + 2 * e + 1] = p[g * G + 16 + e] + off[g];
-            }
         return;
     }
     /* FMT_Q4R: survivors of one group of 32 neurons share the per-column scale and min: sum their
@@ -668,11 +660,31 @@ static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int6
         scale_group(p, acc, f->dn_scale + grp * d + c0, f->dn_min ? f->dn_min + grp * d + c0 : NULL, vsum, ng);
         k = k1;
     }
+}
+
+/* y[c0, c1) from down_cols_acc's p and off. */
+static void down_cols_finish(const ffn_t *f, const float *p, const float *off, float *y, int64_t c0, int64_t c1) {
+    const int64_t nc = c1 - c0, ng = nc / G;
+    if (f->down_fmt != FMT_Q4 && f->down_fmt != FMT_Q4R) {
+        memcpy(y + c0, p, (size_t)nc * sizeof(float));
+        return;
+    }
     for (int64_t g = 0; g < ng; g++)
         for (int e = 0; e < 16; e++) {
-            y[c0 + g * G + 2 * e] = p[g * G + e];
-            y[c0 + g * G + 2 * e + 1] = p[g * G + 16 + e];
+            const float o = f->down_fmt == FMT_Q4 ? off[g] : 0.0f;
+            y[c0 + g * G + 2 * e] = p[g * G + e] + o;
+            y[c0 + g * G + 2 * e + 1] = p[g * G + 16 + e] + o;
         }
+}
+
+/* y[c0, c1) = sum over survivors k of val[k] * row idx[k] of down_t, in ascending k. */
+static void down_cols(const ffn_t *f, const int32_t *idx, const float *val, int64_t m, float *y, int64_t c0,
+                      int64_t c1, float *restrict p, float *restrict off, float *restrict acc,
+                      float (*a)[MAX_D / G]) {
+    memset(p, 0, (size_t)(c1 - c0) * sizeof(float));
+    memset(off, 0, (size_t)((c1 - c0) / G) * sizeof(float));
+    down_cols_acc(f, idx, val, m, c0, c1, p, off, acc, a);
+    down_cols_finish(f, p, off, y, c0, c1);
 }
 
 /* W_down itself, (d, n) with groups of 32 along n (the transpose of a q4r down_t, as MatMulNBits
@@ -825,4 +837,197 @@ int pinfer_ffn_call(const ffn_call_t *a) {
     return ffn_token(a->mode, a->act, a->gu_fmt, a->gu_q, a->gu_scale, a->gu_min, a->down_fmt, a->dn_q,
                      a->dn_scale, a->dn_min, a->w1q, a->w1s, a->w2q, a->w2s, a->b2, a->r, a->thr,
                      a->pred_thr, a->x, a->y, a->n, a->d, a->idx, a->val, a->counts, a->threads, &a->wd);
+}
+
+/* -- a batch of tokens (prefill) ------------------------------------------------------------- */
+
+#define MAX_BATCH 64      /* tokens of one batch call: a neuron's tokens are one 64-bit mask */
+#define DOWN_BLOCK 128    /* neurons per block of the batch's down pass (whole q4r groups) */
+
+/* The FFN of nt tokens in one call, each with the result of its own pinfer_ffn_call (the same
+ * bits), over the union of their candidates: every weight row any token needs is read once and
+ * met by each token that needs it while it is in cache. x, y are (nt, d); idx, val (nt, n) and
+ * counts (nt, 2) as a single call's, per token (MODE_GIVEN: each token's candidates in its row of
+ * idx, their number in its counts[0]). Returns 0, or -1 when a size is unsupported or memory is
+ * short. */
+int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
+    const int64_t n = a->n, d = a->d, r = a->r, ng = d / G, mode = a->mode;
+    if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
+    if (d % G || n % G || d > MAX_D || r % G || nt < 1 || nt > MAX_BATCH) return -1;
+    if (isa < 0) pinfer_sparse_isa(-1);
+    const ffn_t f = {a->gu_fmt, a->down_fmt, a->act, a->gu_q, a->gu_scale, a->gu_min, a->dn_q, a->dn_scale,
+                     a->dn_min, d};
+    const int threads = a->threads;
+    /* per token: quantized x (and later h), predictor hidden; h of every token over all neurons;
+       which tokens compute each neuron */
+    const int64_t qbytes = (n > d ? n : d) + (int64_t)sizeof(float) * ((n > d ? n : d) / G * 2 + (n > d ? n : d) / 8);
+    uint8_t *qmem = malloc((size_t)(nt * qbytes));
+    float *z = malloc((size_t)(nt * (r ? r : 1)) * sizeof(float));
+    float *H = calloc((size_t)(nt * n), sizeof(float));
+    uint64_t *who = calloc((size_t)n, sizeof(uint64_t));
+    int32_t *u = malloc((size_t)n * sizeof(int32_t));
+    qx_t *qx = malloc((size_t)nt * sizeof(qx_t));
+    int rc = -1;
+    if (!qmem || !z || !H || !who || !u || !qx) goto done;
+    const int64_t qn = n > d ? n : d;
+    for (int64_t t = 0; t < nt; t++) {
+        float *fl = (float *)(qmem + t * qbytes);
+        qx[t] = (qx_t){(int8_t *)(fl + qn / G * 2 + qn / 8), fl, fl + qn / G, fl + qn / G + qn / 8};
+        if (f.gu_fmt == FMT_Q4) quantize_x(a->x + t * d, d, &qx[t]);
+    }
+
+    /* candidates, per token; the predictor's rows meet every token while in cache */
+    if (mode == MODE_PREDICTED || mode == MODE_RELU) {
+        FOR_THREADS(threads, k, r, {
+            for (int64_t t = 0; t < nt; t++) {
+                const float v = dot_q8(a->w1q + k * d, a->w1s + k * (d / G), a->x + t * d, d);
+                z[t * r + k] = v > 0.0f ? v : 0.0f;
+            }
+        });
+        float *score = H;   /* scratch until the gate/up pass */
+        FOR_THREADS(threads, j, n, {
+            for (int64_t t = 0; t < nt; t++)
+                score[t * n + j] = dot_q8(a->w2q + j * r, a->w2s + j * (r / G), z + t * r, r) + a->b2[j];
+        });
+        for (int64_t t = 0; t < nt; t++) {
+            int64_t m = 0;
+            for (int64_t j = 0; j < n; j++)
+                if (score[t * n + j] >= a->pred_thr) a->idx[t * n + m++] = (int32_t)j;
+            a->counts[2 * t] = m;
+        }
+        memset(H, 0, (size_t)(nt * n) * sizeof(float));
+    } else if (mode != MODE_GIVEN) {
+        for (int64_t t = 0; t < nt; t++) {
+            for (int64_t j = 0; j < n; j++) a->idx[t * n + j] = (int32_t)j;
+            a->counts[2 * t] = n;
+        }
+    }
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t m = a->counts[2 * t] < n ? a->counts[2 * t] : n;
+        a->counts[2 * t] = m;
+        for (int64_t k = 0; k < m; k++) who[a->idx[t * n + k]] |= 1ULL << t;
+    }
+    int64_t mu = 0;
+    for (int64_t j = 0; j < n; j++)
+        if (who[j]) u[mu++] = (int32_t)j;
+
+    /* gate/up and the rule over the union: each neuron's rows for every token that computes it */
+    int64_t pairs = 0;
+    for (int64_t k = 0; k < mu; k++) pairs += __builtin_popcountll(who[u[k]]);
+    const int t_gu = pairs * d >= PARALLEL_WORK ? threads : 1;
+    FOR_THREADS(t_gu, k, mu, {
+        const int64_t j = u[k];
+        int64_t next = prefetch_row(u, k, mu);
+        for (uint64_t bits = who[j]; bits; bits &= bits - 1) {
+            const int64_t t = __builtin_ctzll(bits);
+            H[t * n + j] = neuron(&f, j, a->x + t * d, &qx[t], (int)mode, a->thr, next);
+            next = -1;
+        }
+    });
+    /* survivors of each token, ascending, as a single call compacts them */
+    for (int64_t t = 0; t < nt; t++) {
+        int32_t *idx = a->idx + t * n;
+        float *val = a->val + t * n;
+        int64_t s = 0;
+        for (int64_t k = 0; k < a->counts[2 * t]; k++) {
+            const float h = H[t * n + idx[k]];
+            if (h != 0.0f) {
+                idx[s] = idx[k];
+                val[s++] = h;
+            }
+        }
+        a->counts[2 * t + 1] = s;
+    }
+
+    /* down: the tokens past rows_from as row dots over W_down (each row of it met by all of them),
+       the others as the axpy over their survivors, in blocks of neurons every token passes through */
+    uint64_t by_rows = 0;
+    int64_t n_rows = 0, cols_work = 0;
+    for (int64_t t = 0; t < nt; t++) {
+        if (a->wd.q && a->counts[2 * t + 1] >= a->wd.from) {
+            by_rows |= 1ULL << t;
+            n_rows++;
+        } else {
+            cols_work += a->counts[2 * t + 1];
+        }
+    }
+    if (n_rows) {
+        const int64_t gn = n / G;
+        for (uint64_t bits = by_rows; bits; bits &= bits - 1) {
+            const int64_t t = __builtin_ctzll(bits);
+            quantize_x(H + t * n, n, &qx[t]);     /* h, quantized per group of 32 neurons */
+        }
+        const int t_rows = n * d * n_rows >= PARALLEL_WORK ? threads : 1;
+        const rows_t *wd = &a->wd;
+#ifdef PINFER_X86
+        if (isa == ISA_AVX512) {
+            FOR_THREADS(t_rows, b, d / 4, {
+                const int64_t i = 4 * b;
+                const uint8_t *next = i + 4 < d ? wd->q + (i + 4) * (n / 2) : NULL;
+                for (uint64_t bits = by_rows; bits; bits &= bits - 1) {
+                    const int64_t t = __builtin_ctzll(bits);
+                    dot4_q4_avx512(wd->q + i * (n / 2), n / 2, wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL,
+                                   gn, &qx[t], n, a->y + t * d + i, next);
+                    next = NULL;
+                }
+            });
+        } else
+#endif
+        {
+            FOR_THREADS(t_rows, i, d, {
+                for (uint64_t bits = by_rows; bits; bits &= bits - 1) {
+                    const int64_t t = __builtin_ctzll(bits);
+                    a->y[t * d + i] = dot_q4(wd->q + i * (n / 2), wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL,
+                                             &qx[t], n, NULL);
+                }
+            });
+        }
+    }
+    if (n_rows < nt) {
+        const uint64_t by_cols = ~by_rows & (nt == 64 ? ~0ULL : (1ULL << nt) - 1);
+        const int t_dn = cols_work * d >= PARALLEL_WORK ? threads : 1;
+        const int64_t per = (ng + t_dn - 1) / t_dn;
+        int failed = 0;
+        FOR_THREADS(t_dn, th, t_dn, {
+            const int64_t g0 = th * per, g1 = g0 + per < ng ? g0 + per : ng;
+            if (g0 < g1) {
+                const int64_t nc = (g1 - g0) * G;
+                float *scratch = malloc((size_t)(nt * (nc + nc / G) + nc + AXPY_ROWS * (MAX_D / G)) * sizeof(float));
+                if (!scratch) {
+                    failed = 1;
+                } else {
+                    float *p = scratch, *off = p + nt * nc, *acc = off + nt * (nc / G), *ar = acc + nc;
+                    int64_t at[MAX_BATCH] = {0};
+                    memset(p, 0, (size_t)(nt * (nc + nc / G)) * sizeof(float));
+                    for (int64_t b0 = 0; b0 < n; b0 += DOWN_BLOCK) {
+                        for (uint64_t bits = by_cols; bits; bits &= bits - 1) {
+                            const int64_t t = __builtin_ctzll(bits), s = a->counts[2 * t + 1];
+                            const int32_t *idx = a->idx + t * n;
+                            int64_t e = at[t];
+                            while (e < s && idx[e] < b0 + DOWN_BLOCK) e++;
+                            if (e > at[t])
+                                down_cols_acc(&f, idx + at[t], a->val + t * n + at[t], e - at[t], g0 * G, g1 * G,
+                                              p + t * nc, off + t * (nc / G), acc, (float (*)[MAX_D / G])ar);
+                            at[t] = e;
+                        }
+                    }
+                    for (uint64_t bits = by_cols; bits; bits &= bits - 1) {
+                        const int64_t t = __builtin_ctzll(bits);
+                        down_cols_finish(&f, p + t * nc, off + t * (nc / G), a->y + t * d, g0 * G, g1 * G);
+                    }
+                    free(scratch);
+                }
+            }
+        });
+        if (failed) goto done;
+    }
+    rc = 0;
+done:
+    free(qmem);
+    free(z);
+    free(H);
+    free(who);
+    free(u);
+    free(qx);
+    return rc;
 }
