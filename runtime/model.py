@@ -599,8 +599,7 @@ class Model:
         c, n_ff = self.counters, self.cfg.n_ff
         given = ffn.set_candidates if mode == "given" else None
         draw = self.draw if given else None
-        rows = getattr(ffn, "rows", None)
-        rows_from = rows.from_ if rows is not None and rows.q else n_ff + 1   # from here every down row is read
+        rows_from = _rows_from(ffn, n_ff)
 
         def step():
             if given:
@@ -615,8 +614,7 @@ class Model:
         ffn, mode, thr, pthr = self.ffns[i]
         run = ffn.bind_batch(self.x.np[0], self.delta.np[0], mode, thr, pthr)
         c, n_ff, draw = self.counters, self.cfg.n_ff, self.draw if mode == "given" else None
-        rows = getattr(ffn, "rows", None)
-        rows_from = rows.from_ if rows is not None and rows.q else n_ff + 1
+        rows_from = _rows_from(ffn, n_ff)
 
         def step():
             if draw:
@@ -791,6 +789,13 @@ class Model:
         self._head_in[1][...] = delta
         self.head.run()
         return self._logits[0].copy()     # the buffer is the next call's: callers keep what they get
+
+
+def _rows_from(ffn, n_ff):
+    """Survivors from which the kernel's down projection reads every row of W_down (its row
+    dots), or n_ff + 1 where it has none."""
+    rows = getattr(ffn, "rows", None)
+    return rows.from_ if rows is not None and rows.q else n_ff + 1
 
 
 def _drop_output(graph, name):
