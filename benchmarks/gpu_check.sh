@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The GPU half of the checks, for a machine with an NVIDIA GPU, run from the repository root:
+# The GPU half of the checks, for a machine with an NVIDIA GPU and no network, run from the
+# repository root (about 6 minutes on an H200 with 16 cores):
 #   bash benchmarks/gpu_check.sh            (LAYERS=8 THREADS=8 PYTHON=python3 to change)
 # 1. builds pinfer's C kernels in place (no network: the Python packages must be there already);
-# 2. the GPU tests: the CUDA kernels against the CPU kernel and NumPy-checked references, the
-#    hybrid step and a whole model against the CPU (tests/test_hybrid.py; skips name their reason);
-# 3. benchmarks/hybrid_decode.py: a synthetic LLaMA-13B-shaped INT4 model, CPU only vs hybrid at
-#    30% and 60% of the FFN in VRAM vs all of it.
+# 2. the GPU tests: the CUDA kernels against the CPU kernel (same survivors), the hybrid step and
+#    a whole model against the CPU, the dense part on the CUDA provider where onnxruntime-gpu is
+#    installed (tests/test_hybrid.py), and the device plumbing (tests/test_device_plumbing.py:
+#    the CPU half, which CI runs too);
+# 3. benchmarks/gpu_kernel.py: the FFN kernel at 100% and 10% active against the copy bandwidth;
+# 4. benchmarks/hybrid_decode.py at LLaMA-7B's and 13B's shapes (LAYERS layers): CPU only vs
+#    hybrid at 30% and 60% of the FFN in VRAM vs all of it, the dense part on the CPU provider,
+#    then on the CUDA provider where onnxruntime-gpu is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -37,5 +42,19 @@ for f in pathlib.Path("pinfer").glob("*.py"):
     if not t.exists():
         t.symlink_to(f.resolve())
 PY
-$PY -m pytest -q -rs tests/test_hybrid.py
-$PY benchmarks/hybrid_decode.py --shape 13b --layers "${LAYERS:-8}" --threads "${THREADS:-8}" --cache build/synthetic
+status=0
+$PY -m pytest -q -rs tests/test_hybrid.py tests/test_device_plumbing.py || status=1
+$PY benchmarks/gpu_kernel.py --shapes 7b,13b || status=1
+dense="cpu"
+if $PY -c "import onnxruntime, sys; sys.exit('CUDAExecutionProvider' not in onnxruntime.get_available_providers())"; then
+    dense="cpu gpu"
+else
+    echo "gpu_check: this onnxruntime has no CUDA provider: the dense part runs on the CPU provider only" >&2
+fi
+for shape in 7b 13b; do
+    for dd in $dense; do
+        $PY benchmarks/hybrid_decode.py --shape $shape --layers "${LAYERS:-8}" --threads "${THREADS:-8}" \
+            --dense-device "$dd" --tokens 16 --repeats 3 --cache build/synthetic || status=1
+    done
+done
+exit $status

@@ -9,8 +9,10 @@ in one run, on a synthetic INT4 model in LLaMA-13B's shapes whose active sets fo
 The model and its active sets are benchmarks/synthetic_decode.py's (random Q4_0 weights, neuron j
 fires with probability min(1, c (j+1)^-alpha) in the hot-first order). --vram-budget is set for
 each share from the planner's own byte count (runtime/placement.py), and the plan is printed.
-Attention, norms and the head run on ONNX Runtime's CPU provider in every column: only the FFN's
-hot neurons move to the GPU. Needs a GPU and pinfer[gpu]; prints one sentence and exits 2 without.
+The planner ranks neurons by the same power law (Model.set_active_sets' hotness), so each layer's
+hottest neurons go first. Attention, norms and the head run on ONNX Runtime's CPU provider, or
+with --dense-device gpu on its CUDA provider in FP16 (onnxruntime-gpu). Needs a GPU and
+pinfer[gpu]; prints one sentence and exits 2 without.
 """
 
 import argparse
@@ -40,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--device", choices=["gpu", "cpu-split"], default="gpu",
                     help="cpu-split: the hot half on a second CPU kernel, a check of this script without a GPU")
+    ap.add_argument("--dense-device", choices=["cpu", "gpu", "emulated-gpu"], default="cpu",
+                    help="where attention, norms and the head run (emulated-gpu: the GPU's code path on the CPU)")
     a = ap.parse_args(argv)
 
     from pinfer.kernels.gpu import GpuError
@@ -48,7 +52,8 @@ def main(argv=None):
 
     pinf = a.model or synthetic_model(a.shape, a.layers, a.cache)[1]
     try:
-        m = Model(pinf, RuntimeOptions(threads=a.threads, n_ctx=256, device=a.device, vram_budget=0.0))
+        m = Model(pinf, RuntimeOptions(threads=a.threads, n_ctx=256, device=a.device, vram_budget=0.0,
+                                       dense_device=a.dense_device))
     except GpuError as e:
         print(f"hybrid_decode: {e}", file=sys.stderr)
         sys.exit(2)
@@ -70,7 +75,7 @@ def main(argv=None):
             m.set_sparsity("")          # plans, prints the plan, moves the hot neurons
         else:
             draw, _ = draws(mass[0], cfg.n_layer, a.tokens * a.repeats, rng)
-            m.set_active_sets(draw)
+            m.set_active_sets(draw, hotness=mass)
         rates = [decode_rate(m, a.tokens) for _ in range(a.repeats)]
         hot = sum(m.plan.hot) / (cfg.n_layer * n_ff)
         on_gpu = float(np.mean([mass[i, :h].sum() / max(mass[i].sum(), 1e-12) for i, h in enumerate(m.plan.hot)]))

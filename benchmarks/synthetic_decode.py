@@ -20,6 +20,7 @@ sparsity can gain: at LLaMA-7B's shapes attention is a third of the weights.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -111,9 +112,10 @@ def power_law(n, active, alpha):
 
 
 def draws(p, n_layer, n_tokens, rng):
-    """A draw(layer) for Model.set_active_sets that hands out pre-drawn sets token after token."""
+    """A draw(layer) for Model.set_active_sets that hands out pre-drawn sets token after token,
+    from the start again when they run out (prompts processed token by token draw too)."""
     sets = [np.flatnonzero(rng.random(len(p)) < p).astype(np.int32) for _ in range(n_layer * n_tokens)]
-    it = iter(sets)
+    it = itertools.cycle(sets)
     return lambda layer: next(it), float(np.mean([len(s) for s in sets])) / len(p)
 
 

@@ -52,6 +52,10 @@ def runtime_options(f):
     f = click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
                      help="Where the FFN's hot neurons run: gpu (hot on an NVIDIA GPU, cold on the CPU; needs "
                           "pinfer[gpu]), cpu, or auto (the GPU when one is found).")(f)
+    f = click.option("--dense-device", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu", show_default=True,
+                     help="Where attention, norms and the head run: cpu (ONNX Runtime's CPU provider), gpu (its "
+                          "CUDA provider in FP16; needs onnxruntime-gpu and --device gpu; not yet run on a GPU "
+                          "since its fix, see README.md), or auto (gpu where possible).")(f)
     f = click.option("--vram-budget", type=float, default=None, metavar="GIB",
                      help="GiB of VRAM the GPU part may use (default: free VRAM minus 0.5 GiB); the plan is "
                           "printed at load.")(f)
@@ -64,7 +68,7 @@ def runtime_config(kw):
     return RuntimeOptions(n_ctx=kw["n_ctx"], threads=kw["threads"],
                           sparsity="dense" if kw.get("dense") else kw.get("sparsity", ""),
                           kernels=kw.get("ffn_kernel") or "auto", device=kw.get("device") or "auto",
-                          vram_budget=kw.get("vram_budget"))
+                          vram_budget=kw.get("vram_budget"), dense_device=kw.get("dense_device") or "cpu")
 
 
 def sampling_options(f):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 SOURCE = Path(__file__).with_name("cuda") / "ffn_hot.cu"
-KERNELS = ("pinfer_pred_hidden", "pinfer_select", "pinfer_gate_up", "pinfer_activate", "pinfer_axpy",
+KERNELS = ("pinfer_pred_hidden", "pinfer_select", "pinfer_quantize_x", "pinfer_gate_up", "pinfer_activate", "pinfer_axpy",
            "pinfer_axpy_det", "pinfer_merge")
 OPTIONS = ("--std=c++17", "-default-device")   # no fast math: denormal h must survive as on the CPU
 ALIGN = 256            # every device buffer starts on this boundary (cudaMalloc's own)
@@ -157,7 +157,8 @@ class HotSpec:
     def scratch_parts(self, k):
         d, r = self.d, self.rank
         return [("iota", k * 4), ("x", d * 4), ("hid", max(r, 1) * 4), ("cand", k * 4), ("counts", 8),
-                ("gu", 2 * k * 4), ("hval", k * 4), ("surv", k * 4), ("y", d * 4), ("cold", d * 4)]
+                ("gu", 2 * k * 4), ("hval", k * 4), ("surv", k * 4), ("y", d * 4), ("cold", d * 4),
+                ("xq", d), ("xs", d // 32 * 4), ("xsum", d // 32 * 4)]
 
     def layout(self, k):
         """{name: (offset, nbytes)} and the total bytes of the layer's one device allocation."""
@@ -397,6 +398,7 @@ class HotFFN:
         cand = at["iota"] if mode in ("dense", "down") else at["cand"]
         count, nsurv = at["counts"], at["counts"] + 4
         rule, act = RULES[mode], self.act
+        quantized = self.gu_fmt == GU_FORMATS["q4"]     # int4 rows meet int8 x, as on the CPU
 
         def launch():
             g.zero(at["counts"], 2)
@@ -415,8 +417,12 @@ class HotFFN:
                 g.launch("pinfer_select", warps(k), THREADS,
                          [(at["w2.q"], _P), (at["w2.scale"], _P), (at["b2"], _P), (at["hid"], _P), (pthr, _F),
                           (k, _I), (r, _I), (cand, _P), (count, _P)])
+            if quantized:
+                g.launch("pinfer_quantize_x", warps(d // 32), THREADS,
+                         [(x_ptr, _P), (d, _I), (at["xq"], _P), (at["xs"], _P), (at["xsum"], _P)])
             g.launch("pinfer_gate_up", warps(k), THREADS,
-                     gu + [(x_ptr, _P), (cand, _P), (count, _P), (d, _I), (at["gu"], _P)])
+                     gu + [(x_ptr, _P), (at["xq"], _P), (at["xs"], _P), (at["xsum"], _P), (cand, _P), (count, _P),
+                           (d, _I), (at["gu"], _P)])
             g.launch("pinfer_activate", -(-k // THREADS), THREADS,
                      [(at["gu"], _P), (cand, _P), (count, _P), (act, _I), (rule, _I), (thr, _F), (at["hval"], _P),
                       (at["surv"], _P), (nsurv, _P)])

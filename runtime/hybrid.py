@@ -25,10 +25,11 @@ def cut(gate_up, down, predictor, start, stop):
 
 class CpuHot:
     """The hot half on pinfer's CPU kernel, with HotFFN's bind contract: start() does nothing,
-    finish(cold) computes the half, adds the cold partial sum and returns (candidates, survivors)."""
+    finish(cold) computes the half, adds the cold partial sum and returns (candidates, survivors).
+    `device` (the runtime's DeviceEmulation) gives it HotFFN's bind_device over device buffers."""
 
-    def __init__(self, ffn):
-        self.ffn = ffn
+    def __init__(self, ffn, device=None):
+        self.ffn, self.device = ffn, device
 
     def set_candidates(self, cand):
         self.ffn.set_candidates(cand)
@@ -42,6 +43,26 @@ class CpuHot:
                 np.add(y, cold, out=y)
             return counts
         return (lambda: None), finish
+
+    def bind_device(self, x_dev, y_dev, mode, thr, pthr):
+        """HotFFN.bind_device's contract: start() copies x down (the cold half reads the host
+        array returned), finish(cold) computes the hot half, merges and copies y up."""
+        dev, d = self.device, self.ffn.d
+        host_x, host_y = dev.pinned(d, np.float32), dev.pinned(d, np.float32)
+        run = self.ffn.bind(host_x, host_y, mode, thr, pthr)
+
+        def start():
+            dev.to_host(host_x, x_dev)
+            dev.sync()
+
+        def finish(cold):
+            counts = run()
+            if cold is not None:
+                np.add(host_y, cold, out=host_y)
+            dev.to_device(y_dev, host_y)
+            dev.sync()
+            return counts
+        return start, finish, host_x
 
 
 class HybridFFN:
@@ -88,15 +109,17 @@ def build(layer_parts, k, n_ff, d, act, threads, hot_factory, down_rows=None):
     return HybridFFN(hot, cold, k, d)
 
 
-def cpu_hot_factory(n_ff_hot, d, act, threads):
-    """hot_factory for CpuHot halves of n_ff_hot neurons."""
-    return lambda gate_up, down, predictor: CpuHot(SparseFFN(gate_up, down, n_ff_hot, d, act, predictor, threads))
+def cpu_hot_factory(n_ff_hot, d, act, threads, device=None):
+    """hot_factory for CpuHot halves of n_ff_hot neurons (device: see CpuHot)."""
+    return lambda gate_up, down, predictor: CpuHot(SparseFFN(gate_up, down, n_ff_hot, d, act, predictor, threads),
+                                                   device)
 
 
 def bind_device(gpu, ffn, x_dev, y_dev, mode, threshold, pred_threshold):
     """A layer's FFN step when the dense part runs on the GPU: x and y are device pointers (float32
-    (d,)). A hybrid layer with its hot half on the GPU copies x down once for its cold half and
-    merges on the GPU; a CPU-only layer copies x down and y up."""
+    (d,)), `gpu` the device's copies (kernels.gpu.Gpu, or the runtime's DeviceEmulation). A hybrid
+    layer with its hot half on the GPU copies x down once for its cold half and merges on the GPU;
+    a CPU-only layer copies x down and y up."""
     if isinstance(ffn, HybridFFN) and hasattr(ffn.hot, "bind_device"):
         start, finish, host_x = ffn.hot.bind_device(x_dev, y_dev, mode, threshold, pred_threshold)
         y_cold = ffn.y_cold

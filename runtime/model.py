@@ -8,6 +8,7 @@ neuron-major down_t bundle. Residual adds ride inside SkipSimplifiedLayerNormali
 and per K/V, bound as both past and present (GroupQueryAttention writes in place).
 """
 
+import ctypes
 import os
 import sys
 import time
@@ -44,10 +45,13 @@ class RuntimeOptions:
     device: str = "auto"
     vram_budget: float | None = None   # GiB for the GPU part; None: free VRAM minus a margin
     deterministic: bool = False        # the GPU's down projection in a fixed order (tests)
-    # Where the dense part (attention, norms, head) runs: "auto" (ONNX Runtime's CUDA provider in
-    # FP16 when the FFN runs on a GPU and onnxruntime-gpu is installed, else its CPU provider),
-    # "cpu", "gpu", or "cpu-fp16" (the FP16 graphs on the CPU provider: tests the conversion).
-    dense_device: str = "auto"
+    # Where the dense part (attention, norms, head) runs: "cpu" (the default until the GPU path has
+    # produced right output on a GPU since its fix), "auto" (ONNX Runtime's CUDA provider in FP16
+    # when the FFN runs on a GPU and onnxruntime-gpu is installed, else its CPU provider), "gpu", "cpu-fp16" (the FP16 graphs on the CPU provider: tests the conversion), or
+    # "emulated-gpu": the GPU's code path (device buffers reached only through copies, host inputs
+    # copied when bound, memory not zeroed at allocation) over the FP16 graphs on the CPU provider:
+    # CI's check of the device plumbing (see DeviceEmulation).
+    dense_device: str = "cpu"
 
 
 DEFAULT_CTX = 4096
@@ -192,8 +196,10 @@ class SplitDown:
 
 
 class Buf:
-    """An activation or cache buffer as an OrtValue: in host memory (with a NumPy view) or on the
-    GPU the dense part runs on (ONNX Runtime allocates it; `ptr` is its device address)."""
+    """An activation or cache buffer as an OrtValue: in host memory (with a NumPy view), on the GPU
+    the dense part runs on (ONNX Runtime allocates it; `ptr` is its device address), or "emulated":
+    host memory reached like a device's, through write/read and copies by address, never a view.
+    Device buffers are zeroed once here: the device's allocator returns whatever was there."""
 
     def __init__(self, shape, dtype, device="cpu"):
         self.shape, self.dtype, self.device = tuple(shape), np.dtype(dtype), device
@@ -202,7 +208,12 @@ class Buf:
             self.ov = ort.OrtValue.ortvalue_from_numpy(self.np)
         else:
             self.np = None
-            self.ov = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype.type, "cuda", 0)
+            if device == "emulated":
+                self._memory = DeviceEmulation.allocate(shape, self.dtype)
+                self.ov = ort.OrtValue.ortvalue_from_numpy(self._memory)
+            else:
+                self.ov = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype.type, "cuda", 0)
+            self.zero()
         self.ptr = self.ov.data_ptr()
 
     def write(self, array):
@@ -218,17 +229,64 @@ class Buf:
         return self.np if self.np is not None else self.ov.numpy()
 
 
-class _Bound:
-    """A session with one IOBinding whose inputs and outputs are NumPy arrays or Bufs, by name."""
+class DeviceEmulation:
+    """The dense part's device plumbing on the CPU (dense_device "emulated-gpu"), faithful where
+    the GPU path can go wrong without a GPU showing it:
+    - ONNX Runtime copies a host input that a CUDA kernel consumes to the device when it is bound,
+      not when the session runs: a host array updated after binding keeps its first value there.
+      Here every host input is copied at bind time too, except those the CUDA kernels read on
+      the host (HOST_INPUTS: GroupQueryAttention's total_sequence_length, input 6);
+    - device memory comes uninitialised: emulated buffers start as NaN (all ones for integers);
+    - device buffers are reached through copies by address (to_host, to_device), as the FFN
+      steps reach the GPU's, and `pinned` arrays stand in for page-locked host memory."""
 
-    def __init__(self, session):
+    HOST_INPUTS = {("GroupQueryAttention", 6)}    # (op, input index) a CUDA kernel reads on the host
+
+    @staticmethod
+    def allocate(shape, dtype):
+        fill = np.nan if np.issubdtype(dtype, np.floating) else -1
+        return np.full(shape, fill, dtype)
+
+    @classmethod
+    def host_read(cls, graph):
+        """Names of the graph's inputs that the CUDA kernels read on the host."""
+        return {node.input[k] for node in graph.node for op, k in cls.HOST_INPUTS
+                if node.op_type == op and len(node.input) > k and node.input[k]}
+
+    @staticmethod
+    def pinned(n, dtype):
+        return np.zeros(max(1, n), dtype)[:n]
+
+    @staticmethod
+    def to_host(host, src):
+        ctypes.memmove(host.ctypes.data, src, host.nbytes)
+
+    @staticmethod
+    def to_device(dst, host):
+        ctypes.memmove(dst, np.ascontiguousarray(host).ctypes.data, host.nbytes)
+
+    @staticmethod
+    def sync():
+        pass
+
+
+class _Bound:
+    """A session with one IOBinding whose inputs and outputs are NumPy arrays or Bufs, by name.
+    snapshot: under DeviceEmulation, the input names the device reads on the host; every other
+    host input is copied when bound, as ONNX Runtime's CUDA provider does."""
+
+    def __init__(self, session, snapshot=None):
         self.sess = session
         self.io = session.io_binding()
         self._run = session._sess.run_with_iobinding   # the raw call: ~2 µs against ~50 µs
         self._ro = ort.RunOptions()
         self.keep = {}
+        self.snapshot = snapshot
 
     def bind_in(self, name, array):
+        if self.snapshot is not None and name not in self.snapshot:
+            host = array.np if isinstance(array, Buf) else array
+            array = host.copy() if host is not None else array     # a device Buf has no host view
         self.keep[name] = array
         self.io.bind_ortvalue_input(name, array.ov if isinstance(array, Buf) else ort.OrtValue.ortvalue_from_numpy(array))
 
@@ -261,12 +319,16 @@ class Model:
         self.device = self._choose_device(options)
         self.dense_device = self._choose_dense_device(options)
         self.act_dtype = np.float16 if self.dense_device != "cpu" else np.float32   # resid, KV, RoPE tables
-        self.act_at = "cuda" if self.dense_device == "gpu" else "cpu"
+        self.act_at = {"gpu": "cuda", "emulated-gpu": "emulated"}.get(self.dense_device, "cpu")
+        # the dense part's buffers in device memory: the FFN steps reach them through `copier`
+        self.on_device = self.act_at != "cpu"
+        self.copier = self.gpu if self.act_at == "cuda" else DeviceEmulation
 
         self.dense_gpu_bytes = 0     # weights ONNX Runtime's CUDA provider holds
+        free_at_start = self.gpu.mem_info()[0] if self.gpu else 0
         # With the dense part on the GPU only the attention graphs go there (the full graphs would
         # copy every gate/up row into VRAM): every token, prompt ones too, takes the decode path.
-        gpu_dense = self.dense_device == "gpu"
+        gpu_dense = self.on_device
         self.layers = [self._session(S.LAYER_GRAPH.format(i), self.threads, attention_only=gpu_dense)
                        for i in range(cfg.n_layer)]
         self.head = self._session(S.HEAD_GRAPH, self.threads)
@@ -288,7 +350,12 @@ class Model:
         self.cos, self.sin = (Buf(t.shape, self.act_dtype, self.act_at) for t in tables)
         for buf, table in zip((self.cos, self.sin), tables):
             buf.write(table)
-        self.seqlens = np.zeros(1, np.int32)     # GroupQueryAttention: total length - 1
+        # what loading the dense part took from the device (weights, KV cache, ONNX Runtime's arena)
+        self.dense_gpu_measured = free_at_start - self.gpu.mem_info()[0] if self.act_at == "cuda" else 0
+        # GroupQueryAttention's lengths: seqlens_k (total length - 1) is read on the device, so it
+        # lives there, written once per call for every layer (a host array would be copied to the
+        # GPU once, when bound, and keep its first value); total_sequence_length is read on the host.
+        self.seqlens = Buf((1,), np.int32, self.act_at)
         self.total = np.zeros((), np.int32)      # total length after this call
         self._bind_state(self.layers)
         self._shape = None       # the sequence length the activation buffers are bound for
@@ -312,7 +379,7 @@ class Model:
             self._attention_sessions()
         self._shape = None      # the bound steps call the rules: bind again
         self.path_choices, self.prefill_by_token, self.prefill_times = [], 0, []
-        if self.use_kernels == "auto" and self.device == "cpu" and any(self.ffns):
+        if self.use_kernels == "auto" and self.device == "cpu" and not self.on_device and any(self.ffns):
             self._choose_paths()
 
     def _attention_sessions(self):
@@ -321,15 +388,16 @@ class Model:
                          for i in range(self.cfg.n_layer)]
             self._bind_state(self.attn)
 
-    def set_active_sets(self, draw):
+    def set_active_sets(self, draw, hotness=None):
         """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending
         int32 indices) instead of the file's rule: synthetic active sets, for benchmarks of models
         that have no trained predictors (benchmarks/synthetic_decode.py), split between GPU and CPU
-        as the device plans it for dense layers. set_sparsity() undoes it."""
+        by `hotness` ((n_layer, n_ff), the draws' activation probabilities; default: the file's
+        profile, see placement.hotness). set_sparsity() undoes it."""
         cfg = self.cfg
         self._release_gpu()
         if self.device != "cpu":
-            self.plan = self._plan(["given"] * cfg.n_layer)
+            self.plan = self._plan(["given"] * cfg.n_layer, hotness)
         self.ffns = [(self._layer_ffn(i, "given"), "given", 0.0, 0.0) for i in range(cfg.n_layer)]
         if self.device != "cpu":
             self._report_vram()
@@ -344,8 +412,8 @@ class Model:
         dense path), formats or shapes the kernel lacks, and --quant mixed splits."""
         rule, r, cfg = self.rules[i], self.reader, self.cfg
         hot = self.plan.hot[i] if self.plan else 0
-        fused = self.use_kernels != "off" or hot or self.dense_device == "gpu"   # the GPU's decode has no other FFN path
-        if (not fused or (rule.rule.mode == "dense" and not hot and self.dense_device != "gpu")
+        fused = self.use_kernels != "off" or hot or self.on_device   # the GPU's decode has no other FFN path
+        if (not fused or (rule.rule.mode == "dense" and not hot and not self.on_device)
                 or S.FFN_GATE_UP_COLD.format(i) in r.header["weights"]
                 or not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu") or S.FFN_GATE_UP_BIAS.format(i) in r):
             return None
@@ -372,7 +440,7 @@ class Model:
             make = lambda gu, dn, pred: HotFFN(self.gpu, spec, k, gu, dn, pred, cfg.ffn_act,   # noqa: E731
                                                self.options.deterministic)
         else:
-            make = hybrid.cpu_hot_factory(k, cfg.d_model, cfg.ffn_act, self.threads)
+            make = hybrid.cpu_hot_factory(k, cfg.d_model, cfg.ffn_act, self.threads, self.copier)
         rows = getattr(self.downs[i], "rows", None) if self.downs else None   # W_down, shared with MatMulNBits
         return hybrid.build(parts, k, cfg.n_ff, cfg.d_model, cfg.ffn_act, self.threads, make,
                             rows if rows and rows[0] == "q4" else None)
@@ -396,23 +464,23 @@ class Model:
 
     def _choose_dense_device(self, options):
         want = options.dense_device
-        if want not in ("auto", "cpu", "gpu", "cpu-fp16"):
+        if want not in ("auto", "cpu", "gpu", "cpu-fp16", "emulated-gpu"):
             raise ValueError(f"dense device {want!r} is not one of auto, cpu, gpu")
         if want in ("cpu", "cpu-fp16"):
             return want
         from pinfer.kernels.gpu import GpuError
         why = None
-        if self.device != "gpu":
+        if want != "emulated-gpu" and self.device != "gpu":
             why = "the FFN runs on the CPU"
-        elif "CUDAExecutionProvider" not in ort.get_available_providers():
+        elif want != "emulated-gpu" and "CUDAExecutionProvider" not in ort.get_available_providers():
             why = "this onnxruntime has no CUDA provider (install onnxruntime-gpu in its place)"
         elif any(spec is None for spec, _ in placement.layer_specs(self.reader, self.cfg, ["dense"] * self.cfg.n_layer)):
             why = "some layers' FFNs are not ones the GPU kernels take"
-        if why and want == "gpu":
+        if why and want != "auto":
             raise GpuError(f"the dense part cannot run on the GPU: {why}")
-        return "cpu" if why else "gpu"
+        return "cpu" if why else "gpu" if want == "auto" else want
 
-    def _plan(self, modes):
+    def _plan(self, modes, hotness=None):
         """The hot/cold split for this machine, printed before the weights move."""
         budget = self.options.vram_budget
         if budget is None:
@@ -426,7 +494,7 @@ class Model:
                 raise ValueError(f"--vram-budget {budget:g} GiB is negative; give the GiB the GPU may use")
             budget_bytes = int(budget * placement.GIB)
         self.plan_specs = placement.layer_specs(self.reader, self.cfg, modes)
-        plan = placement.plan(self.reader, self.cfg, modes, budget_bytes, self._dense_reserved())
+        plan = placement.plan(self.reader, self.cfg, modes, budget_bytes, self._dense_reserved(), mass=hotness)
         if self.device == "gpu" or self.options.verbose:
             where = (f"GPU {self.gpu.name} (sm_{self.gpu.arch}, kernels {self.gpu.compiled.kind} "
                      f"{'from the cache' if self.gpu.compiled.cached else 'compiled now'})" if self.gpu
@@ -448,8 +516,12 @@ class Model:
         if self.gpu is None:
             return
         used = self._free_before - self.gpu.mem_info()[0]
-        print(f"VRAM: planned {self.plan.total / 2**20:,.1f} MiB, allocated {self.gpu.allocated / 2**20:,.1f} MiB "
-              f"(the device's free memory fell by {used / 2**20:,.1f} MiB)", file=sys.stderr)
+        mib = lambda b: f"{b / 2**20:,.1f} MiB"     # noqa: E731
+        dense = sum(self._dense_reserved().values())
+        said = (f"; dense part: planned {mib(dense)}, the device's free memory fell by "
+                f"{mib(self.dense_gpu_measured)} while ONNX Runtime loaded it" if dense else "")
+        print(f"VRAM: FFN hot neurons planned {mib(self.plan.total - dense)}, allocated {mib(self.gpu.allocated)} "
+              f"(the device's free memory fell by {mib(used)}){said}", file=sys.stderr)
 
     def _release_gpu(self):
         for entry in self.ffns or []:
@@ -520,7 +592,7 @@ class Model:
                 self.dense_gpu_bytes += a.nbytes if self.dense_device == "gpu" else 0
         so = _session_options(threads)
         so.add_external_initializers(names, values)
-        if self.dense_device == "cpu-fp16":
+        if self.dense_device in ("cpu-fp16", "emulated-gpu"):
             so.log_severity_level = 3   # the CPU provider lacks some FP16 kernels and says so per node
         providers = ["CPUExecutionProvider"]
         if self.dense_device == "gpu":
@@ -533,7 +605,7 @@ class Model:
             from pinfer.kernels.gpu import GpuError
             raise GpuError("ONNX Runtime could not start its CUDA provider (are CUDA 13 and cuDNN 9 installed? "
                            "see README.md); run with --device cpu, or fix the CUDA install")
-        bound = _Bound(sess)
+        bound = _Bound(sess, DeviceEmulation.host_read(proto.graph) if self.act_at == "emulated" else None)
         bound.keep["initializers"] = values   # ORT uses these buffers; keep them alive
         return bound
 
@@ -547,12 +619,12 @@ class Model:
         # layer i consumes delta before its down projection overwrites it. With the dense part on
         # the GPU, resid stays there, and so do x and delta in decode, where every layer's FFN
         # step reads and writes device memory; prefill's FFN runs on the host buffers.
-        on_gpu = self.act_at == "cuda" and n == 1
+        on_gpu = self.on_device and n == 1
         kernel = n == 1 or self._batches(n)     # prompts up to prefill_by_token: the kernel's batch call
         self._head_shape = None      # the head binds to these buffers again
         self.resid = [Buf((1, n, d), self.act_dtype, self.act_at) for _ in range(2)]
-        self.delta = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
-        self.x = Buf((1, n, d), np.float32, "cuda" if on_gpu else "cpu")
+        self.delta = Buf((1, n, d), np.float32, self.act_at if on_gpu else "cpu")
+        self.x = Buf((1, n, d), np.float32, self.act_at if on_gpu else "cpu")
         self.h = np.zeros((1, n, self.cfg.n_ff), np.float32)
         self.steps = [s for i in range(self.cfg.n_layer)
                       for s in self._layer_steps(i, kernel and self.ffns[i] is not None, on_gpu, n=n)]
@@ -570,7 +642,7 @@ class Model:
     def _batches(self, n):
         """Whether a prompt of n tokens runs through the kernel's batch call (prefill_by_token,
         set by _choose_prefill; the CPU's kernels only)."""
-        return 1 < n <= self.prefill_by_token and self.dense_device != "gpu" and \
+        return 1 < n <= self.prefill_by_token and not self.on_device and \
             all(f is None or hasattr(f[0], "bind_batch") for f in self.ffns)
 
     def _layer_steps(self, i, kernel, on_gpu=False, rule=None, entry=None, n=1):
@@ -593,7 +665,7 @@ class Model:
     def _kernel_step(self, i, on_gpu=False, entry=None):
         ffn, mode, thr, pthr = entry or self.ffns[i]
         if on_gpu:
-            run = hybrid.bind_device(self.gpu, ffn, self.x.ptr, self.delta.ptr, mode, thr, pthr)
+            run = hybrid.bind_device(self.copier, ffn, self.x.ptr, self.delta.ptr, mode, thr, pthr)
         else:
             run = ffn.bind(self.x.np[0, 0], self.delta.np[0, 0], mode, thr, pthr)
         c, n_ff = self.counters, self.cfg.n_ff
@@ -689,7 +761,7 @@ class Model:
         self._shape = None
         if any(self.ffns):
             self._choose_prefill()
-        elif self.dense_device != "gpu":
+        elif not self.on_device:
             self.attn = None        # the attention-only sessions go unused
 
     def _choose_prefill(self):
@@ -733,7 +805,7 @@ class Model:
             rows += self.pos[self.n_past:self.n_past + n]
         self.resid[0].write(rows[None])
         self.delta.zero()
-        self.seqlens[0] = self.n_past + n - 1
+        self.seqlens.write(np.int32(self.n_past + n - 1))
         self.total[()] = self.n_past + n
 
     def embed(self, tokens):
@@ -750,7 +822,7 @@ class Model:
             raise ValueError("forward() needs at least one token")
         if self.n_past + n > self.n_ctx:
             raise ContextFull(self.n_past, n, self.n_ctx)
-        if n > 1 and self.dense_device == "gpu":
+        if n > 1 and self.on_device:
             start = n - 1 if logits_from is None else logits_from
             rows = [self.forward([t]) for t in tokens]
             return np.concatenate(rows[start:])
@@ -761,7 +833,7 @@ class Model:
         self.n_past += n
         start = n - 1 if logits_from is None else logits_from
         last = self.resid[self.cfg.n_layer % 2]
-        if self.act_at == "cuda":       # one token, its buffers on the GPU: the head reads them there
+        if self.on_device:       # one token, its buffers on the device: the head reads them there
             return self._head_on_device(last)
         return self.head_logits(last.read()[:, start:], self.delta.read()[:, start:])
 

@@ -7,7 +7,10 @@ activation mass per byte: mass is the calibrated activation frequency of a spars
 (1 in a dense layer: every row is read each token), bytes the exact growth of the layer's device
 allocation (kernels.gpu.HotSpec). A layer grows only by its next block, so its hot set stays a
 prefix: one copy per tensor part. The ranking stops at the first block that does not fit, so every
-layer's share grows with the budget.
+layer's share grows with the budget. Equal mass per byte goes to the layer with the fewest hot
+neurons, so a uniform profile (a file without calibration) gives every layer the same prefix
+rather than whole layers in order; a caller that knows the profile (the synthetic benchmarks'
+power law) passes it as `mass`.
 """
 
 import heapq
@@ -31,8 +34,8 @@ def plan_hot(mass, cost, free, block=BLOCK):
     device bytes with k hot neurons (0 at k = 0), or None for a layer the GPU cannot take. Blocks
     are ranked by mass per byte of their neurons' rows (a layer's fixed bytes, its predictor's
     first matrix and scratch, are paid with its first block but do not rank it: they would rank a
-    layer's first block below its second); ties go to the lower layer. Stops at the first block
-    that does not fit."""
+    layer's first block below its second); ties go to the layer with fewer hot neurons, then the
+    lower layer. Stops at the first block that does not fit."""
     n_layer, n_ff = mass.shape
     hot = np.zeros(n_layer, np.int64)
     spent = np.zeros(n_layer, np.int64)
@@ -47,12 +50,12 @@ def plan_hot(mass, cost, free, block=BLOCK):
         if k >= n_ff or per_neuron[layer] is None:
             return None
         size = min(block, n_ff - k)
-        return (-float(mass[layer, k:k + size].sum()) / (size * per_neuron[layer]), layer, size)
+        return (-float(mass[layer, k:k + size].sum()) / (size * per_neuron[layer]), k, layer, size)
 
     heap = [e for e in (entry(l) for l in range(n_layer)) if e is not None]
     heapq.heapify(heap)
     while heap:
-        _, layer, size = heapq.heappop(heap)
+        _, _, layer, size = heapq.heappop(heap)
         grow = cost(layer, int(hot[layer]) + size) - spent[layer]
         if grow > free:
             break
@@ -73,6 +76,8 @@ class Plan:
     layer_bytes: list               # per layer: device bytes of its hot part
     n_ff: int
     skipped: dict = field(default_factory=dict)   # layer -> why it stays on the CPU
+    hotness: str = ""               # where the activation mass that ranked the neurons came from
+    mass_share: float = 0.0         # the share of the profile's activation mass the hot neurons carry
 
     @property
     def total(self):
@@ -87,7 +92,8 @@ class Plan:
         lines = [f"placement for a VRAM budget of {mib(self.budget)}:"]
         lines += [f"  {name}: {mib(b)}" for name, b in self.reserved.items() if b]
         lines.append(f"  FFN hot neurons: {sum(self.hot):,} of {len(self.hot) * self.n_ff:,} "
-                     f"({self.hot_share:.1%}), {mib(sum(self.layer_bytes))}")
+                     f"({self.hot_share:.1%}), {mib(sum(self.layer_bytes))}, {self.mass_share:.1%} of the "
+                     f"activation mass ({self.hotness})")
         per = ", ".join(f"{h}" for h in self.hot)
         lines.append(f"  per layer: {per}")
         for layer, why in sorted(self.skipped.items()):
@@ -123,20 +129,37 @@ def layer_specs(reader, cfg, rules):
 
 def activation_mass(reader, cfg, rules):
     """(n_layer, n_ff): calibrated activation frequency in sparse layers, 1 in dense ones."""
+    return hotness(reader, cfg, rules)[0]
+
+
+def hotness(reader, cfg, rules, given=None):
+    """(mass (n_layer, n_ff), where it came from): `given` (a caller's profile, e.g. a benchmark's
+    power law), else the calibrated activation frequency in sparse layers and 1 in dense ones
+    (every row is read each token), uniform where the file has no calibration."""
+    if given is not None:
+        mass = np.asarray(given, np.float64)
+        if mass.shape != (cfg.n_layer, cfg.n_ff) or not np.isfinite(mass).all() or (mass < 0).any():
+            raise ValueError(f"a hotness profile is ({cfg.n_layer}, {cfg.n_ff}) non-negative numbers, "
+                             f"not {mass.shape}")
+        return mass, "the profile given"
     freq = reader.tensor(S.FFN_FREQ) if S.FFN_FREQ in reader else None
     mass = np.ones((cfg.n_layer, cfg.n_ff), np.float64)
-    for i, mode in enumerate(rules):
-        if mode != "dense" and freq is not None:
-            mass[i] = freq[i]
-    return mass
+    sparse = [i for i, mode in enumerate(rules) if mode != "dense"]
+    if freq is None:
+        return mass, "uniform: the file has no calibration, so every layer gets the same share"
+    for i in sparse:
+        mass[i] = freq[i]
+    return mass, ("calibrated activation frequencies" if len(sparse) == len(rules) else
+                  f"calibrated activation frequencies in {len(sparse)} sparse layers, 1 in the "
+                  f"{len(rules) - len(sparse)} dense ones")
 
 
-def plan(reader, cfg, rules, budget, reserved=None, block=BLOCK):
+def plan(reader, cfg, rules, budget, reserved=None, block=BLOCK, mass=None):
     """The split for `budget` bytes; rules: each layer's mode name; reserved: bytes held before the
-    FFN ({} where the dense part runs on the CPU)."""
+    FFN ({} where the dense part runs on the CPU); mass: a hotness profile (see hotness)."""
     reserved = dict(reserved or {})
     specs = layer_specs(reader, cfg, rules)
-    mass = activation_mass(reader, cfg, rules)
+    mass, source = hotness(reader, cfg, rules, mass)
     skipped = {i: why for i, (spec, why) in enumerate(specs) if spec is None}
 
     def cost(layer, k):
@@ -146,4 +169,5 @@ def plan(reader, cfg, rules, budget, reserved=None, block=BLOCK):
     free = budget - sum(reserved.values())
     hot = plan_hot(mass, cost, free, block) if free > 0 else np.zeros(cfg.n_layer, np.int64)
     layer_bytes = [specs[i][0].nbytes(int(h)) if specs[i][0] else 0 for i, h in enumerate(hot)]
-    return Plan(int(budget), reserved, [int(h) for h in hot], layer_bytes, cfg.n_ff, skipped)
+    share = sum(mass[i, :h].sum() for i, h in enumerate(hot)) / max(mass.sum(), 1e-300)
+    return Plan(int(budget), reserved, [int(h) for h in hot], layer_bytes, cfg.n_ff, skipped, source, float(share))

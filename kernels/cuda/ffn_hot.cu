@@ -14,10 +14,16 @@
  *   predictor  w1 q8: q u8 (r, d), scale f16 (r, d/G); w2 q8, hot rows: q u8 (k, r), scale (k, r/G);
  *              b2 f32 (k); scores = w2 relu(w1 x) + b2
  *   x f32 (d) in; hid f32 (r); cand i32 (k) + count; gu f32 (k, 2); hval f32 (k) (0 where dropped);
- *   surv i32 (k) + nsurv; y f32 (d) out
+ *   surv i32 (k) + nsurv; y f32 (d) out; xq i8 (d), xs f32 (d/G), xsum f32 (d/G): x quantized
+ *
+ * One numerics contract with the CPU kernel (kernels/csrc/ffn_sparse.c), so that a rule picks the
+ * same neurons on both: INT4 gate/up rows meet x quantized to int8 per group of 32 exactly as the
+ * CPU quantizes it (scale amax/127, round to nearest even, IEEE division: no fast math), the
+ * products summed as integers per group and scaled once per group; only the float sum over
+ * groups runs in another order.
  *
  * Per call: [pinfer_pred_hidden, pinfer_select] or a count of k over the identity list ->
- * pinfer_gate_up (gather GEMV, a warp per candidate) -> pinfer_activate (act, the exact rule,
+ * [pinfer_quantize_x for INT4 rows] -> pinfer_gate_up (gather GEMV, a warp per candidate) -> pinfer_activate (act, the exact rule,
  * compaction) -> pinfer_axpy (a block per 32 survivors, atomic adds into y: fast, summation order
  * unfixed) or pinfer_axpy_det (a thread per output column, survivors in ascending order: the
  * deterministic variant, for tests) -> pinfer_merge (y += the CPU's cold partial sum).
@@ -74,25 +80,42 @@ extern "C" __global__ void pinfer_select(const u8 *w2q, const f16 *w2s, const fl
     if (lane == 0 && score >= thr) cand[atomicAdd(count, 1)] = j;
 }
 
-/* one gate or up row of neuron j against x; a warp */
-__device__ float row_dot(int fmt, const void *q, const f16 *s, const f16 *m, size_t row, const float *x, int d,
-                         int lane) {
+/* x quantized to int8 per group of 32 as the CPU's quantize_x does: a warp per group, lane = element */
+extern "C" __global__ void pinfer_quantize_x(const float *x, int d, signed char *xq, float *xs, float *xsum) {
+    const int g = global_warp(), lane = threadIdx.x & 31;
+    if (g >= d / G) return;
+    const float v = x[g * G + lane];
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float sc = amax / 127.0f, inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+    const int qv = __float2int_rn(__fmul_rn(v, inv));
+    int total = qv;
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    xq[g * G + lane] = (signed char)qv;
+    if (lane == 0) {
+        xs[g] = sc;
+        xsum[g] = sc * (float)total;
+    }
+}
+
+/* one gate or up row of neuron j against x (INT4 rows: against xq, see pinfer_quantize_x); a warp */
+__device__ float row_dot(int fmt, const void *q, const f16 *s, const f16 *m, size_t row, const float *x,
+                         const signed char *xq, const float *xs, const float *xsum, int d, int lane) {
     float acc = 0.0f;
     if (fmt == FMT_Q4) {
-        /* a lane takes 4 bytes: 8 elements of one group */
+        /* a lane takes 4 bytes: 8 elements of one group, 4 lanes a group; the first adds the min term */
         const unsigned *w = (const unsigned *)((const u8 *)q + row * (d / 2));
         const f16 *sr = s + row * (d / G), *mr = m ? m + row * (d / G) : 0;
         for (int t = lane; t < d / 8; t += 32) {
             const unsigned v = w[t];
             const int e = 8 * t, g = e / G;
             const float sc = h2f(sr[g]), mn = mr ? h2f(mr[g]) : -8.0f * sc;
-            float part = 0.0f, xs = 0.0f;
+            int part = 0;
             for (int i = 0; i < 4; i++) {
                 const unsigned b = (v >> (8 * i)) & 255u;
-                part += (float)(b & 15u) * x[e + 2 * i] + (float)(b >> 4) * x[e + 2 * i + 1];
-                xs += x[e + 2 * i] + x[e + 2 * i + 1];
+                part += (int)(b & 15u) * xq[e + 2 * i] + (int)(b >> 4) * xq[e + 2 * i + 1];
             }
-            acc += sc * part + mn * xs;
+            acc += sc * xs[g] * (float)part + (e % G == 0 ? mn * xsum[g] : 0.0f);
         }
     } else if (fmt == FMT_F16) {
         const unsigned *w = (const unsigned *)((const f16 *)q + row * d);
@@ -109,12 +132,13 @@ __device__ float row_dot(int fmt, const void *q, const f16 *s, const f16 *m, siz
 
 /* gu[j] = (gate_j . x, up_j . x) for the *count candidates; a warp each */
 extern "C" __global__ void pinfer_gate_up(int fmt, const void *q, const f16 *s, const f16 *m, const float *x,
+                                          const signed char *xq, const float *xs, const float *xsum,
                                           const int *cand, const int *count, int d, float *gu) {
     const int w = global_warp(), lane = threadIdx.x & 31;
     if (w >= *count) return;
     const int j = cand[w];
-    const float g = row_dot(fmt, q, s, m, 2 * (size_t)j, x, d, lane);
-    const float u = row_dot(fmt, q, s, m, 2 * (size_t)j + 1, x, d, lane);
+    const float g = row_dot(fmt, q, s, m, 2 * (size_t)j, x, xq, xs, xsum, d, lane);
+    const float u = row_dot(fmt, q, s, m, 2 * (size_t)j + 1, x, xq, xs, xsum, d, lane);
     if (lane == 0) {
         gu[2 * j] = g;
         gu[2 * j + 1] = u;
@@ -129,7 +153,7 @@ extern "C" __global__ void pinfer_activate(const float *gu, const int *cand, con
     if (i >= *count) return;
     const int j = cand[i];
     const float g = gu[2 * j], u = gu[2 * j + 1];
-    const float a = act == ACT_SILU ? g / (1.0f + __expf(-g)) : (g > 0.0f ? g : 0.0f);
+    const float a = act == ACT_SILU ? g / (1.0f + expf(-g)) : (g > 0.0f ? g : 0.0f);   /* not __expf: as the CPU */
     const float h = a * u;
     /* as the CPU kernel: dropped only when |h| < thr, so a NaN survives and shows in y */
     const int keep = rule == RULE_ALL ? 1 : rule == RULE_NONZERO ? h != 0.0f : !(fabsf(h) < thr);
