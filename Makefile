@@ -11,11 +11,12 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 
 # torch is pinned to the CPU build that pip finds locally (a bare `torch` pulls a multi-GB CUDA
 # build); for a CUDA machine see README.md.
-$(VENV)/.installed: pyproject.toml setup.py kernels/csrc/*.c kernels/csrc/*.h
+# constraints.txt: the versions the suite is validated with.
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt kernels/csrc/*.c kernels/csrc/*.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,convert]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,convert]"
 	touch $@
 
 install: $(VENV)/.installed

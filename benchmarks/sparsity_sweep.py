@@ -1,6 +1,6 @@
 """Perplexity and modelled bytes per token of every calibrated sparsity operating point.
 
-    python benchmarks/sparsity_sweep.py MODEL.pinf [-f ../shared/data/wikitext-2-raw-test.txt] [--chunks 20]
+    python benchmarks/sparsity_sweep.py MODEL.pinf [-f tests/data/wikitext-2-raw-test.txt] [--chunks 20]
 
 MODEL.pinf is a file converted with calibration (the default `pinfer convert`). Each operating
 point the converter measured (dense, down:S, predicted:R, relu:R) runs in pinfer's runtime over
@@ -21,7 +21,7 @@ from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.perplexity import perplexity
 from pinfer.runtime.tokenizer import Tokenizer
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw-test.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "wikitext-2-raw-test.txt"
 
 
 def non_ffn_bytes(reader, cfg):

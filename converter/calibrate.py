@@ -1,4 +1,4 @@
-"""The calibrate, sparsify and predict passes, streamed one layer at a time (DESIGN.md §2).
+"""The calibrate, sparsify and predict passes, streamed one layer at a time (docs/design.md §2).
 
 Per layer, only that layer's dequantized weights are in memory, plus the hidden states of the
 calibration tokens: one stream for the training split, and one per operating point for the

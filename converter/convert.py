@@ -275,7 +275,7 @@ def _biases(src, T, cfg, i, w, perm):
 
 def _ffn_bundles(src, n, gu_names, cfg, i, em, perm, quant):
     """gate_up (n_ff, 2, d_model) (one row per neuron without a gate) and down_t (n_ff, d_model)
-    (DESIGN.md §3), rows in file order: source order when perm is None, else row k holds source
+    (docs/design.md §3), rows in file order: source order when perm is None, else row k holds source
     neuron perm[k]."""
     sel = (lambda a: a) if perm is None else (lambda a: a[perm])  # noqa: E731
     items = _same_format([_linear(src, name) for name in gu_names])

@@ -1,4 +1,4 @@
-"""Back end: the dense ONNX graphs, one per layer and one for the head (DESIGN.md §4).
+"""Back end: the dense ONNX graphs, one per layer and one for the head (docs/design.md §4).
 
 Weights are not inside the graphs: each initializer is a placeholder whose external-data location
 is schema.EXTERNAL_LOCATION and whose name is a tensor of the `.pinf` directory; the runtime binds

@@ -1,4 +1,4 @@
-"""Per-layer activation predictors (DESIGN.md §2): x (d) -> Linear(d, r) -> ReLU -> Linear(r, n_ff).
+"""Per-layer activation predictors (docs/design.md §2): x (d) -> Linear(d, r) -> ReLU -> Linear(r, n_ff).
 
 Trained with class-weighted BCE on the calibrated masks, stored in q8 blocks, and given one
 decision threshold per recall target, chosen on held-out tokens for recall of activation MASS:

@@ -1,5 +1,5 @@
 """The hybrid FFN step of one layer: its hot neurons [0, k) on the GPU, its cold ones [k, n_ff) on
-the CPU kernel, at the same time; the CPU's partial sum then merges into the GPU's (DESIGN.md §1).
+the CPU kernel, at the same time; the CPU's partial sum then merges into the GPU's (docs/design.md §1).
 
 The GPU half is kernels.gpu.HotFFN. CpuHot puts the hot half on a second CPU kernel instead, with
 the same start/finish contract: it checks the split and the merge on machines without a GPU.

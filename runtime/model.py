@@ -1,5 +1,5 @@
 """The dense runtime: one ONNX Runtime session per layer and one for the head, called through
-IOBinding over NumPy buffers that are bound once (DESIGN.md §4).
+IOBinding over NumPy buffers that are bound once (docs/design.md §4).
 
 Per token: embedding rows (NumPy, from the file's block format) -> layer 0 .. n-1 -> head. Each
 layer session takes (resid, delta), delta being the previous layer's FFN output, and returns

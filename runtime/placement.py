@@ -1,5 +1,5 @@
 """Where each layer's FFN neurons run: the hot prefix of every layer on the GPU, the rest on the
-CPU, planned at load for this machine's VRAM budget (DESIGN.md §4).
+CPU, planned at load for this machine's VRAM budget (docs/design.md §4).
 
 The budget first holds what the GPU needs whatever the split (dense weights, KV cache and scratch,
 where the dense part runs there), then blocks of neurons in one global ranking by expected

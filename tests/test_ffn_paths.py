@@ -95,7 +95,10 @@ def test_prompts_up_to_the_crossover_take_the_kernels_batch_call(silu_file, monk
     assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     m.reset()
     m.counters.reset()
-    assert np.array_equal(m.forward(IDS[:4]), got[-1:])
+    # the head over 1 row here, over 4 above: ONNX Runtime's GEMM may take another kernel, and so
+    # another order of float sums, for one row (on AVX2-only CPUs it does)
+    last = m.forward(IDS[:4])
+    assert np.abs(last - got[-1:]).max() <= 1e-5 * np.abs(got).max()
     assert m.counters.full == 4 * 2 * m.cfg.n_ff and m.counters.fractions()[1] < 1.0   # the rule ran, per token
     m.reset()
     longer = m.forward(IDS[:6], logits_from=0)       # past the crossover: the dense graphs, batched

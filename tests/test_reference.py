@@ -10,7 +10,7 @@ import torch
 
 from fixtures import (CONTROL_TOKENS, QTYPES, make_tiny_llama_gguf, quantize_q4_k, quantize_q6_k,
                       tiny_bpe_vocab)
-from models import SHARED, smollm2_gguf
+from models import DATA, smollm2_gguf
 from reference import load_reference, reference_greedy, reference_logits
 
 # Token ids that cover the fixture vocab: bytes, merges and a control token.
@@ -207,7 +207,7 @@ def smollm2():
 
 
 def _llamacpp_prompts():
-    return json.loads((SHARED / "reference" / "llamacpp-greedy-public.json").read_text())["prompts"]
+    return json.loads((DATA / "llamacpp-greedy-public.json").read_text())["prompts"]
 
 
 @pytest.mark.parametrize("ggml_numerics", [False, True], ids=["exact", "ggml"])

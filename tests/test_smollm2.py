@@ -1,7 +1,7 @@
 """The real model, SmolLM2-135M-Instruct Q4_1, converted and run end to end.
 
 References: tests/reference.py (an independent PyTorch forward over the GGUF's dequantized
-weights) and llama.cpp's greedy continuations in ../shared/reference."""
+weights) and llama.cpp's greedy continuations in tests/data."""
 
 import contextlib
 import io
@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from models import SHARED, smollm2_gguf
+from models import DATA, smollm2_gguf
 from reference import reference_logits
 
 from pinfer.converter.passes import DENSE
@@ -18,8 +18,8 @@ from pinfer.runtime.generate import GenerateOptions, Session
 from pinfer.runtime.model import RuntimeOptions
 from pinfer.runtime.sample import SamplerConfig
 
-GREEDY = SHARED / "reference" / "llamacpp-greedy-public.json"
-WIKI = SHARED / "data" / "wikitext-2-raw-test.txt"
+GREEDY = DATA / "llamacpp-greedy-public.json"
+WIKI = DATA / "wikitext-2-raw-test.txt"
 
 
 @pytest.fixture(scope="module")

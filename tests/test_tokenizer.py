@@ -7,7 +7,7 @@ import gguf
 import pytest
 
 from pinfer.runtime.tokenizer import Tokenizer
-from models import (SHARED, chat_template_from_gguf, gguf_tokenizer_spec, llamacpp_golden,
+from models import (DATA, chat_template_from_gguf, gguf_tokenizer_spec, llamacpp_golden,
                     llamacpp_vocab, smollm2_gguf, tokenizer_spec_from_gguf)
 
 # Strings that stress the pre-tokenizer, byte-level mapping and special-token splitting.
@@ -43,17 +43,17 @@ def transformers_tokenizer():
 
 
 def _wikitext_lines(n: int) -> list[str]:
-    path = SHARED / "data" / "wikitext-2-raw-test.txt"
+    path = DATA / "wikitext-2-raw-test.txt"
     if not path.exists():
-        pytest.skip(f"{path} is missing (shared/ should sit beside the repository)")
+        pytest.skip(f"{path} is missing (it ships in tests/data)")
     with path.open(encoding="utf-8") as f:
         return [next(f) for _ in range(n)]
 
 
 def _llamacpp_reference() -> dict:
-    path = SHARED / "reference" / "llamacpp-greedy-public.json"
+    path = DATA / "llamacpp-greedy-public.json"
     if not path.exists():
-        pytest.skip(f"{path} is missing (shared/ should sit beside the repository)")
+        pytest.skip(f"{path} is missing (it ships in tests/data)")
     return json.loads(path.read_text(encoding="utf-8"))
 
 
