@@ -16,15 +16,15 @@ pinfer spends in Python outside ONNX Runtime and its kernels.
 import argparse
 import contextlib
 import io
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
 
 from pinfer.converter.convert import ConvertOptions, convert
 from pinfer.converter.passes import DENSE
@@ -82,9 +82,7 @@ def python_overhead_us(model, n):
 
 
 def llamacpp_decode(py, gguf, threads, n):
-    out = subprocess.run([py, str(Path(__file__).with_name("llamacpp_side.py")), "decode", str(gguf),
-                          "--threads", str(threads), "-n", str(n)], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
+    return engines.llamacpp(py, "decode", gguf, threads, n=n)["tok_s"]
 
 
 def main():

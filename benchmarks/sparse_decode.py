@@ -16,20 +16,20 @@ and scores the same token ids teacher-forced in one batch.
 """
 
 import argparse
-import json
 import math
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
+import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
+
 from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.perplexity import log_softmax_at
 from pinfer.runtime.tokenizer import Tokenizer
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw-test.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "wikitext-2-raw-test.txt"
 
 
 def decode_rate(model, prompt, tokens):
@@ -54,9 +54,7 @@ def decode_ppl(model, ids):
 
 def llamacpp(what, a, threads, **args):
     """One call of benchmarks/llamacpp_side.py in the llama-cpp-python environment; its JSON."""
-    cmd = [a.llama_python, str(Path(__file__).with_name("llamacpp_side.py")), what, str(a.gguf),
-           "--threads", str(threads)] + [x for k, v in args.items() for x in (f"--{k}" if len(k) > 1 else f"-{k}", str(v))]
-    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    return engines.llamacpp(a.llama_python, what, a.gguf, threads, **args)
 
 
 def main(argv=None):

@@ -21,14 +21,14 @@ sparsity can gain: at LLaMA-7B's shapes attention is a third of the weights.
 
 import argparse
 import itertools
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
 
 SHAPES = {  # d_model, n_ff, n_head, vocab
     "7b": (4096, 11008, 32, 32000),
@@ -143,9 +143,7 @@ def prompt_rate(model, n, kernel):
 
 
 def llamacpp_rate(py, gguf_path, threads, n):
-    out = subprocess.run([py, str(Path(__file__).with_name("llamacpp_side.py")), "decode", str(gguf_path),
-                          "--threads", str(threads), "-n", str(n)], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
+    return engines.llamacpp(py, "decode", gguf_path, threads, n=n)["tok_s"]
 
 
 def synthetic_model(shape, n_layer, cache):

@@ -11,13 +11,21 @@ import numpy as np
 
 
 def _load():
-    # Kernels run between ONNX Runtime calls on the same cores: idle OpenMP threads must sleep,
-    # not spin against ONNX Runtime's pool. libgomp reads this when the library loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     spec = importlib.util.find_spec("pinfer.kernels._kernels")
     if spec is None or spec.origin is None:
         raise ImportError("pinfer's C kernels are not built; reinstall with `pip install -e .`")
-    lib = ctypes.CDLL(spec.origin)
+    # Kernels run between ONNX Runtime calls on the same cores: idle OpenMP threads must sleep,
+    # not spin against ONNX Runtime's pool. OpenMP has no call for its wait policy: libgomp reads
+    # OMP_WAIT_POLICY once, as it loads with this library. It is set for that moment only (unless
+    # the user set it) and the environment restored at once, so no child process inherits it.
+    own = "OMP_WAIT_POLICY" not in os.environ
+    if own:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    finally:
+        if own:
+            del os.environ["OMP_WAIT_POLICY"]
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pinfer_down.argtypes = [c_int, p, p, p, p, p, i64, i64, i64, c_int]
     lib.pinfer_down.restype = None

@@ -83,3 +83,14 @@ def test_matmul_down_refuses_formats_without_groups_along_n():
     f, parts, _ = down_weights("q8", 64, 96)
     with pytest.raises(ValueError, match="not a transposed"):
         MatMulDown(f, parts, 1, 64, 96)
+
+
+def test_importing_pinfer_leaves_the_environment_as_it_was():
+    """Children (llama.cpp in the benchmarks) inherit the environment: pinfer must not change it,
+    though libgomp is loaded with the passive wait policy."""
+    import subprocess
+    import sys
+    code = ("import os; before = dict(os.environ); import pinfer.kernels, pinfer.runtime.model, pinfer.cli.main; "
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
