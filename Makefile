@@ -35,14 +35,15 @@ demo: install $(SMOLLM2)
 test: install
 	$(PY) -m pytest
 
-# The long fuzzing run: 20,000 cases per parser (make test runs 1,000).
+# The long fuzzing run: 20,000 cases per parser (make test runs 1,000), and every hostile case
+# through the CLI (make test runs a sample of those).
 fuzz: install
-	PINFER_FUZZ_EXAMPLES=20000 $(PY) -m pytest tests/test_fuzz.py -W ignore
+	PINFER_FUZZ_EXAMPLES=20000 $(PY) -m pytest tests/test_fuzz.py tests/test_hostile_inputs.py -W ignore
 
 # Compares with llama.cpp; builds llama-cpp-python (about 10 minutes) in its own venv. Not in CI.
 bench: install $(SMOLLM2)
 	$(PYTHON) -m venv .venv-llama && .venv-llama/bin/pip install -q llama-cpp-python numpy
-	$(PY) benchmarks/smollm2_vs_llamacpp.py --model $(SMOLLM2) --llama-python .venv-llama/bin/python
+	$(PY) benchmarks/smollm2_vs_llamacpp.py --model $(SMOLLM2) --llama-python .venv-llama/bin/python --q4-0
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/*.so

@@ -66,6 +66,8 @@ def command(ctx, path, as_json, tensors):
     from pinfer.formats import PinfReader
 
     with fail_cleanly(is_verbose(ctx)):
+        if not path.is_file():      # a FIFO or device: reading its magic would block
+            raise ValueError(f"{path} is not a regular file; pass a .pinf or .gguf file")
         with open(path, "rb") as f:
             is_gguf = f.read(4) == b"GGUF"
         s = gguf_summary(path) if is_gguf else summary(PinfReader(path))

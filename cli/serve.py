@@ -1,5 +1,6 @@
 """`pinfer serve FILE`: the OpenAI-compatible HTTP API on 127.0.0.1:8080."""
 
+import os
 from pathlib import Path
 
 import click
@@ -16,8 +17,10 @@ from .common import err, runtime_config, runtime_options
               help="Largest max_tokens a request may ask for.")
 @click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A Jinja chat template to use instead of the model's.")
+@click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds a connection may take to send a request's headers before it is closed.")
 @runtime_options
-def command(model, host, port, api_key, max_tokens_limit, chat_template_file, **kw):
+def command(model, host, port, api_key, max_tokens_limit, chat_template_file, header_timeout, **kw):
     """Serve a model over an OpenAI-compatible HTTP API."""
     import uvicorn
 
@@ -26,5 +29,34 @@ def command(model, host, port, api_key, max_tokens_limit, chat_template_file, **
     opts = ServerOptions(runtime=runtime_config(kw), api_key=api_key,
                          max_tokens_limit=max_tokens_limit,
                          chat_template=Path(chat_template_file).read_text() if chat_template_file else None)
+    def load_failed(e):
+        err(f"pinfer serve: {model.name} could not be loaded: {e}")
+        os._exit(1)     # from the loading thread: uvicorn would otherwise keep answering
+    app = make_app(model, opts, on_load_error=load_failed)
     err(f"pinfer serve: {model.name} on http://{host}:{port}/v1 (not meant for production serving)")
-    uvicorn.run(make_app(model, opts), host=host, port=port, log_level="warning")
+    uvicorn.run(app, host=host, port=port, log_level="warning", http=header_timeout_protocol(header_timeout))
+
+
+def header_timeout_protocol(seconds):
+    """uvicorn's h11 protocol with a deadline of `seconds` for each request head: uvicorn has
+    none, so a client sending its headers a byte at a time would hold a connection for ever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeout(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._head_deadline = self.loop.call_later(seconds, self._head_late)
+
+        def _head_late(self):
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._head_deadline.cancel()        # the next request's head gets its own deadline
+            self._head_deadline = self.loop.call_later(seconds, self._head_late)
+
+        def connection_lost(self, exc):
+            self._head_deadline.cancel()
+            super().connection_lost(exc)
+    return HeaderTimeout

@@ -139,7 +139,7 @@ def convert(opts):
              f"(the plan for {opts.target_vram_gib:g} GiB), int4 for the rest")
 
     t_write = time.perf_counter()
-    with PinfWriter(out) as w:
+    with PinfWriter(out, replace=opts.force) as w:     # without --force it never replaces a file
         em = _Emitter(w)
         f, parts, fl = _linear(src, T["token_embd"])
         em.put(S.TOKEN_EMBD, f, parts, fl)
@@ -189,7 +189,10 @@ def convert(opts):
                 "conversion_error": em.errors,
             },
         }
-        w.finish(header)
+        try:
+            w.finish(header)
+        except FileExistsError as e:
+            raise ConvertError(str(e)) from None
     worst = max(em.errors.values(), default=0.0)
     _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t_write:.1f} s; "
          f"{len(em.errors)} tensors re-quantized, worst relative error {worst:.2e}")

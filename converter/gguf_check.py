@@ -36,7 +36,7 @@ class _Cursor:
 
     def read(self, n):
         if n < 0 or self.pos + n > self.size:
-            self.fail(f"it needs {n} more bytes but the file ends at {self.size}")
+            self.fail(f"it needs {n} more bytes but the file ends at {self.size}: it is truncated")
         data = self.f.read(n)
         self.pos += n
         return data
@@ -98,6 +98,8 @@ def check_gguf(path):
     """Walk the header of `path`; returns (version, n_tensors, n_kv) or raises GGUFCheckError."""
     import os
 
+    if not os.path.isfile(path):     # a FIFO or device would block the reads below
+        raise GGUFCheckError(f"{path} is not a regular file; pass a GGUF model file")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         c = _Cursor(f, size, path)
@@ -141,16 +143,21 @@ def check_gguf(path):
                 if d == 0 or d > size * 8:
                     c.fail(f"tensor {name!r} has dimension {d}")
                 n *= d
-            if dims[0] % block or n > size * 8:
+            if dims[0] % block:
                 c.fail(f"tensor {name!r} of shape {dims} does not fit type {GGMLQuantizationType(ttype).name}")
-            tensors.append((name, offset, n // block * nbytes_block))
+            nbytes = n // block * nbytes_block
+            if nbytes > size:
+                c.fail(f"tensor {name!r} needs {nbytes:,} bytes, more than the whole {size:,}-byte file: the file "
+                       "is truncated (an interrupted download?) or damaged")
+            tensors.append((name, offset, nbytes))
         data_start = (c.pos + alignment - 1) // alignment * alignment
         spans = []
         for name, offset, nbytes in tensors:
             start = data_start + offset
             if offset % alignment or start + nbytes > size:
                 c.pos = start
-                c.fail(f"tensor {name!r} ({nbytes} bytes at offset {offset}) lies outside the file")
+                c.fail(f"tensor {name!r} ({nbytes} bytes at offset {offset}) lies outside the file"
+                       + (": it is truncated" if offset % alignment == 0 else ""))
             spans.append((start, start + nbytes, name))
         spans.sort()
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):

@@ -1,7 +1,42 @@
 """The model configuration stored in a `.pinf` header, shared by converter and runtime."""
 
 import dataclasses
+import json
+import math
 from dataclasses import dataclass
+
+# Bounds of the integer fields, checked when a header is read: far beyond any real model, tight
+# enough that nothing sized by them can overflow or allocate without end.
+_INT_BOUNDS = {"n_layer": (1, 4096), "d_model": (1, 65536), "n_ff": (1, 1 << 20), "n_head": (1, 4096),
+               "n_head_kv": (1, 4096), "head_dim": (1, 4096), "vocab": (1, 1 << 24), "n_ctx_train": (1, 1 << 24),
+               "rotary_dim": (0, 4096), "sliding_window": (0, 1 << 24)}
+_CHOICES = {"ffn_act": ("silu", "relu", "drelu", "fatrelu", "gelu"), "norm": ("rms", "layer"),
+            "positions": ("rope", "learned")}
+_BOOLS = ("rope_interleaved", "tied_embeddings", "ffn_gated")
+
+
+def _check_field(name, v, values):
+    """Why the value of field `name` is not acceptable, or None."""
+    if name in _INT_BOUNDS:
+        lo, hi = _INT_BOUNDS[name]
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            return f"expected a whole number from {lo} to {hi}"
+    elif name in _CHOICES:
+        if v not in _CHOICES[name]:
+            return f"expected one of {', '.join(_CHOICES[name])}"
+    elif name in _BOOLS:
+        if not isinstance(v, bool):
+            return "expected true or false"
+    elif name == "arch":
+        if not isinstance(v, str):
+            return "expected a name"
+    elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+            (name != "ffn_act_threshold" and v <= 0):
+        return "expected a finite number" + ("" if name == "ffn_act_threshold" else " above 0")
+    if name == "n_head_kv" and isinstance(values.get("n_head"), int) and not isinstance(values["n_head"], bool) \
+            and values["n_head"] % v:
+        return "expected a divisor of n_head"
+    return None
 
 
 @dataclass(frozen=True)
@@ -44,7 +79,12 @@ class ModelConfig:
                    if n not in d and f.default is dataclasses.MISSING]
         if missing:
             raise ValueError(f"the model configuration lacks {', '.join(missing)}")
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        values = {k: v for k, v in d.items() if k in fields}
+        for name, v in values.items():
+            why = _check_field(name, v, values)
+            if why:
+                raise ValueError(f"the model configuration's {name} is {json.dumps(v)[:40]}: {why}")
+        return cls(**values)
 
     def to_dict(self):
         return dataclasses.asdict(self)

@@ -2,7 +2,9 @@
 
 import hashlib
 import json
+import math
 import mmap
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +14,14 @@ from .schema import PinfFormatError
 
 
 class PinfReader:
-    def __init__(self, path):
-        self.path = Path(path)
+    """schema: check the header as a model's (types, bounds, graphs: schema.header_problem); False
+    reads the container alone, for the format's own tests."""
+
+    def __init__(self, path, schema=True):
+        self.path, self.schema = Path(path), schema
         try:
+            if not stat.S_ISREG(self.path.stat().st_mode):     # a FIFO or device would block the read
+                raise PinfFormatError(f"{self.path} is not a regular file; pass a .pinf file")
             f = open(self.path, "rb")
         except OSError as e:
             raise PinfFormatError(f"cannot open {self.path}: {e.strerror}; check the path") from None
@@ -49,8 +56,13 @@ class PinfReader:
             header = json.loads(blob)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             self._fail(f"the header is not valid JSON ({e})")
+        except RecursionError:
+            self._fail("the header is JSON nested too deeply")
         if not isinstance(header, dict) or any(k not in header for k in S.HEADER_KEYS):
             self._fail(f"the header lacks some of the keys {list(S.HEADER_KEYS)}")
+        problem = S.header_problem(header) if self.schema else None
+        if problem:
+            self._fail(problem)
         self.data_end = off
         self.header_end = off + length
         return header
@@ -66,14 +78,14 @@ class PinfReader:
                 shape = e["shape"]
                 off, nbytes = e["offset"], e["nbytes"]
                 ok = (isinstance(shape, list) and len(shape) <= S.MAX_DIMS
-                      and all(isinstance(n, int) and n >= 0 for n in shape)
-                      and isinstance(off, int) and isinstance(nbytes, int)
+                      and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= S.MAX_DIM for n in shape)
+                      and isinstance(off, int) and isinstance(nbytes, int) and 0 <= nbytes <= self.size
                       and isinstance(e["sha256"], str))
             except (KeyError, TypeError):
                 ok = False
             if not ok:
                 self._fail(f"tensor {name!r} has a malformed directory entry")
-            if nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            if nbytes != math.prod(shape) * dtype.itemsize:      # exact: Python's integers do not wrap
                 self._fail(f"tensor {name!r} claims {nbytes} bytes for shape {shape} {e['dtype']}")
             if off % S.ALIGNMENT or off < S.ALIGNMENT or off + nbytes > self.data_end:
                 self._fail(f"tensor {name!r} at offset {off} (+{nbytes}) is misaligned or outside the data")
@@ -105,8 +117,14 @@ class PinfReader:
                      if S.part_name(base, p) in self.tensors}
 
     def graph_bytes(self, name):
-        """The serialized onnx.ModelProto of graph `name` (a key of the header's "graphs")."""
-        return self.tensor(self.header["graphs"][name]).tobytes()
+        """The serialized onnx.ModelProto of graph `name` (a key of the header's "graphs"), checked
+        against its digest: a damaged graph would otherwise reach ONNX's parser."""
+        tensor = self.header["graphs"][name]
+        data = self.tensor(tensor).tobytes()
+        if hashlib.sha256(data).hexdigest() != self.tensors[tensor]["sha256"]:
+            self._fail(f"the graph {name!r} is damaged (its checksum does not match; `pinfer verify` names "
+                       "every damaged section)")
+        return data
 
     def verify(self, progress=None):
         """Check every byte: each tensor against its checksum, and the padding around them (which

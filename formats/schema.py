@@ -131,3 +131,51 @@ def align(n, a=ALIGNMENT):
 
 class PinfFormatError(ValueError):
     """The one error the reader raises: a sentence saying what was found and what to do."""
+
+
+MAX_DIM = 1 << 40   # one tensor dimension; the byte count is computed exactly from the shape
+
+
+def header_problem(h):
+    """What is wrong with the types and bounds of a header (a dict with HEADER_KEYS), or None:
+    checked before anything uses it, so that a damaged header with a valid checksum (or a
+    hand-made one) is one sentence, never an exception deep inside the runtime."""
+    from .config import ModelConfig
+
+    types = {"config": dict, "tokenizer": dict, "weights": dict, "ffn": dict, "sparsity": dict, "layers": list,
+             "plan": dict, "graphs": dict, "provenance": dict, "tensors": dict}
+    for key, typ in types.items():
+        if not isinstance(h[key], typ):
+            return f"the header's {key!r} is {type(h[key]).__name__}, not {typ.__name__}"
+    try:
+        cfg = ModelConfig.from_dict(h["config"])
+    except (ValueError, TypeError) as e:
+        return str(e)
+    tensors = h["tensors"]
+    for base, fmt in h["weights"].items():
+        if fmt not in BLOCK_FORMATS:
+            return f"the weight {base!r} has unknown block format {str(fmt)[:20]!r}"
+    want = {LAYER_GRAPH.format(i) for i in range(cfg.n_layer)} | {HEAD_GRAPH}
+    if set(h["graphs"]) != want:
+        return f"the header lists graphs for {len(h['graphs'])} parts, not the {cfg.n_layer} layers and the head"
+    for name, tensor in h["graphs"].items():
+        e = tensors.get(tensor) if isinstance(tensor, str) else None
+        if e is None or not str(tensor).startswith(GRAPH.format("")) or not isinstance(e, dict) \
+                or e.get("dtype") != "u8" or not isinstance(e.get("shape"), list) or len(e["shape"]) != 1:
+            return f"the graph {name!r} points at {str(tensor)[:40]!r}, which is not a stored graph"
+    layers = h["layers"]
+    if layers and (len(layers) != cfg.n_layer or not all(
+            isinstance(x, dict) and x.get("mode", "dense") in SPARSITY_MODES
+            and isinstance(x.get("value", 0.0), (int, float)) and not isinstance(x.get("value", 0.0), bool)
+            for x in layers)):
+        return f"the header's layers are not {cfg.n_layer} entries of a sparsity mode and its value"
+    tok = h["tokenizer"]
+    tokens = tok.get("tokens")
+    if not isinstance(tok.get("model"), str) or not isinstance(tokens, list) or not tokens \
+            or len(tokens) > cfg.vocab or not all(isinstance(t, str) for t in tokens):
+        return f"the tokenizer is malformed (it needs a model name and up to {cfg.vocab} token strings)"
+    hot = h["ffn"].get("hot_rows")
+    if hot is not None and not (isinstance(hot, list) and all(isinstance(k, int) and not isinstance(k, bool)
+                                                               for k in hot)):
+        return "the header's ffn.hot_rows is not a list of whole numbers"
+    return None

@@ -21,8 +21,11 @@ def partial_path(dest):
 
 
 class PinfWriter:
-    def __init__(self, dest):
-        self.dest = Path(dest)
+    """replace: whether finish() may replace a file that exists at dest by then (False: it refuses,
+    atomically, even if the file appeared while this one was being written)."""
+
+    def __init__(self, dest, replace=True):
+        self.dest, self.replace = Path(dest), replace
         self.tmp = partial_path(self.dest)
         self._f = open(self.tmp, "wb")
         self._f.write(b"\0" * S.ALIGNMENT)  # preamble slot, filled in by finish()
@@ -80,9 +83,31 @@ class PinfWriter:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
-        os.replace(self.tmp, self.dest)
+        if self.replace:
+            os.replace(self.tmp, self.dest)
+        else:
+            self._publish_new()
         self._state = "finished"
         return self.dest
+
+    def _publish_new(self):
+        """Give the finished file its name only if the name is free: a hard link fails when the
+        destination exists (a check then a rename would leave a moment to lose a file)."""
+        try:
+            os.link(self.tmp, self.dest)
+        except FileExistsError:
+            self._state = "finished"
+            self.tmp.unlink(missing_ok=True)
+            raise FileExistsError(f"{self.dest} appeared while the file was being written; it was left as it is "
+                                  "(pass --force to overwrite it)") from None
+        except OSError:      # a file system without hard links
+            if self.dest.exists():
+                self.tmp.unlink(missing_ok=True)
+                raise FileExistsError(f"{self.dest} appeared while the file was being written; it was left as "
+                                      "it is (pass --force to overwrite it)") from None
+            os.replace(self.tmp, self.dest)
+            return
+        self.tmp.unlink()
 
     def abort(self):
         if self._state == "open":

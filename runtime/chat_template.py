@@ -9,13 +9,16 @@ filter, a `namespace` that refuses underscore names, loop controls and the train
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from datetime import datetime
 from functools import lru_cache
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
+import jinja2.filters
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -75,6 +78,8 @@ def _raise_exception(message: str):
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Jinja's own tojson HTML-escapes <, >, & and ' which would corrupt prompts.
+    if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
+        raise TemplateError("Chat template asked tojson for an indent of more than 64; it was stopped")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
@@ -107,15 +112,121 @@ def _metered_range(*args):
         yield i
 
 
+def _too_large(what="a value"):
+    return TemplateError(f"Chat template built {what} that is too large; it was stopped")
+
+
+def _size(value):
+    return len(value) if isinstance(value, (str, list, tuple, dict)) else 0
+
+
+def _check_size(value):
+    if _size(value) > LIMITS["value_chars"]:
+        raise _too_large()
+    return value
+
+
+# The numbers of a format that size its output: %-style widths and precisions ("%0300000000d"),
+# str.format's ("{:>300000000}"); an output that large would be built before any check could see it.
+_PERCENT_SIZES = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_FORMAT_SIZES = re.compile(r"\{[^{}]*:[^{}]*?(\d+)(?:[,_])?(?:\.(\d+))?[^{}]*\}")
+
+
+def _check_format(fmt, pattern, args=()):
+    if not isinstance(fmt, str):
+        return
+    limit = LIMITS["value_chars"]
+    for m in pattern.finditer(fmt):
+        for g in m.groups():
+            if g == "*":    # the width comes from the arguments
+                if any(isinstance(a, int) and abs(a) > limit for a in args):
+                    raise _too_large("a formatted string")
+            elif g and (len(g) > 7 or int(g) > limit):
+                raise _too_large("a formatted string")
+
+
+# str methods whose first argument sizes the result, and jinja2 filters whose argument does
+_WIDTH_METHODS = {"ljust", "rjust", "center", "zfill", "expandtabs"}
+
+
+def _check_str_call(name, self_, args, kwargs):
+    limit = LIMITS["value_chars"]
+    if name in _WIDTH_METHODS:
+        width = args[0] if args else next(iter(kwargs.values()), 0)
+        if isinstance(width, int) and width * (len(self_) if name == "expandtabs" else 1) > limit:
+            raise _too_large()
+    elif name in ("format", "format_map"):
+        _check_format(self_, _FORMAT_SIZES)
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        times = len(self_) + 1 if args[0] == "" else self_.count(args[0])
+        if len(self_) + times * max(0, len(args[1]) - len(args[0])) > limit:
+            raise _too_large()
+    elif name == "join" and args and isinstance(args[0], (list, tuple)):
+        if sum(_size(a) for a in args[0]) + len(self_) * len(args[0]) > limit:
+            raise _too_large()
+
+
+def _sized_filter(name, width_at=None):
+    """jinja2's filter `name`, refusing a width argument (position width_at after the value)
+    or a result over the size limit."""
+    base = jinja2.filters.FILTERS[name]
+
+    def filt(*args, **kwargs):
+        _tick()
+        if width_at is not None:
+            values = list(args[1:]) + list(kwargs.values())
+            width = values[width_at] if len(values) > width_at else 0
+            lines = args[0].count("\n") + 1 if args and isinstance(args[0], str) else 1
+            if isinstance(width, int) and width * lines > LIMITS["value_chars"]:
+                raise _too_large()
+        if name == "format" and args:
+            _check_format(args[0], _PERCENT_SIZES, args[1:])
+        if name == "join":      # (eval context, items, separator): the joined size, before joining
+            items = args[1] if len(args) > 1 else ()
+            sep = args[2] if len(args) > 2 else kwargs.get("d", "")
+            if isinstance(items, (list, tuple)) and \
+                    sum(_size(i) for i in items) + _size(sep) * len(items) > LIMITS["value_chars"]:
+                raise _too_large()
+        return _check_size(base(*args, **kwargs))
+    for attr in ("jinja_pass_arg",):       # pass_context / pass_eval_context markers
+        if hasattr(base, attr):
+            setattr(filt, attr, getattr(base, attr))
+    return filt
+
+
+class _MeteredCodeGenerator(jinja2.compiler.CodeGenerator):
+    """Compiles `a ~ b` to the environment's checked concatenation, not a plain join."""
+
+    def visit_Concat(self, node, frame):
+        self.write("environment.concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class _LimitedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, plus a budget of steps and time per render and a size limit on
-    strings and lists that the template builds with *, ** or +."""
+    every string and list the template builds: checked before building where the arguments say
+    the size (*, +, ~, %, widths of str methods and filters), after it elsewhere."""
 
-    intercepted_binops = frozenset(["*", "**", "+"])
+    intercepted_binops = frozenset(["*", "**", "+", "%", "//", "-", "/"])
+    code_generator_class = _MeteredCodeGenerator
 
     def call(self, context, obj, *args, **kwargs):
         _tick()
-        return super().call(context, obj, *args, **kwargs)
+        inner = getattr(obj, "__wrapped__", obj)     # the sandbox wraps str.format
+        owner = getattr(inner, "__self__", None)
+        if isinstance(owner, str):
+            _check_str_call(getattr(inner, "__name__", ""), owner, args, kwargs)
+        return _check_size(super().call(context, obj, *args, **kwargs))
+
+    def concat(self, parts):
+        _tick()
+        texts = [p if isinstance(p, str) else str(p) for p in parts]
+        if sum(map(len, texts)) > LIMITS["value_chars"]:
+            raise _too_large()
+        return "".join(texts)
 
     def getattr(self, obj, attribute):
         _tick()
@@ -132,11 +243,12 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         if operator == "*":
             for a, b in ((left, right), (right, left)):
                 if isinstance(a, (str, list, tuple)) and isinstance(b, int) and len(a) * b > LIMITS["value_chars"]:
-                    raise TemplateError("Chat template built a value that is too large; it was stopped")
-        result = super().call_binop(context, operator, left, right)
-        if isinstance(result, (str, list, tuple)) and len(result) > LIMITS["value_chars"]:
-            raise TemplateError("Chat template built a value that is too large; it was stopped")
-        return result
+                    raise _too_large()
+        if operator == "+" and _size(left) + _size(right) > LIMITS["value_chars"]:
+            raise _too_large()
+        if operator == "%" and isinstance(left, str):
+            _check_format(left, _PERCENT_SIZES, right if isinstance(right, tuple) else (right,))
+        return _check_size(super().call_binop(context, operator, left, right))
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -144,6 +256,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
         trim_blocks=True, lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.globals["range"] = _metered_range
+    for name, width_at in (("center", 0), ("indent", 0), ("format", None), ("replace", None), ("join", None),
+                           ("wordwrap", None), ("truncate", None), ("string", None), ("list", None)):
+        env.filters[name] = _sized_filter(name, width_at)
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
                        namespace=_Namespace)

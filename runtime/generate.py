@@ -18,6 +18,7 @@ class GenerateOptions:
     n_predict: int = 256             # -1: until an end-of-generation token or the context is full
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     ignore_eos: bool = False
+    reuse_cache: bool = True         # keep the longest cached prefix of the prompt (False: prefill afresh)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class Session:
         sampler = Sampler(options.sampler)
         self.sampler = sampler
         t0 = time.perf_counter()
+        if not options.reuse_cache:
+            self.reset()
         logits = self.prefill(list(prompt_ids))
         stats.prompt_tokens = self.last_prefill
         stats.prompt_seconds = time.perf_counter() - t0

@@ -32,6 +32,7 @@ class ServerOptions:
     model_id: str | None = None          # default: the file's stem
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 4096         # largest max_tokens a request may ask for
+    body_seconds: float = 30.0           # a request body must arrive within this
     chat_template: str | None = None
 
 
@@ -73,10 +74,22 @@ class StopMatcher:
             if i >= 0:
                 out, self.pending = self.pending[:i], ""
                 return out, True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        keep = max((self._held(s) for s in self.stops), default=0)
         out = self.pending[:len(self.pending) - keep]
         self.pending = self.pending[len(out):]
         return out, False
+
+    def _held(self, stop):
+        """Length of the longest end of the pending text that begins `stop` (and may complete it
+        later): only positions holding stop's first character are tried, and only the last
+        len(stop) - 1 of them, so a long stop string costs what the pending text costs."""
+        p = self.pending
+        i = p.find(stop[0], max(0, len(p) - len(stop) + 1))
+        while i >= 0:
+            if stop.startswith(p[i:]):
+                return len(p) - i
+            i = p.find(stop[0], i + 1)
+        return 0
 
     def flush(self):
         out, self.pending = self.pending, ""
@@ -84,22 +97,27 @@ class StopMatcher:
 
 
 class Engine:
-    """The model, loaded in the background, and a one-thread executor that serializes generations."""
+    """The model, loaded in the background, a one-thread executor that serializes generations and
+    one that renders and tokenizes prompts, so that neither blocks the event loop (/health)."""
 
-    def __init__(self, path, options):
+    def __init__(self, path, options, on_load_error=None):
         self.path, self.options = path, options
         self.session = None
         self.error = None
         self.ready = threading.Event()
         self.lock = asyncio.Lock()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pinfer-gen")
+        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pinfer-prompt")
+        self.on_load_error = on_load_error
         self.pool.submit(self._load)
 
     def _load(self):
         try:
             self.session = Session(self.path, self.options.runtime)
-        except Exception as e:  # reported by /health and every request
+        except Exception as e:  # reported by /health and every request, or on_load_error
             self.error = e
+            if self.on_load_error is not None:
+                self.on_load_error(e)
         finally:
             self.ready.set()
 
@@ -149,18 +167,58 @@ def _error(message, status=400, code=None):
                         status_code=status)
 
 
-def make_app(path, options=ServerOptions()):
+def _text(value, field):
+    """A request string, checked: a lone surrogate (JSON allows "\\udfff") is not text any
+    tokenizer can take."""
+    if not isinstance(value, str):
+        raise BadRequest(f"'{field}' must be a string, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"'{field}' holds a lone surrogate (U+{ord(value[e.start]):04X}), which is not "
+                         "valid Unicode text") from None
+    return value
+
+
+def _content(m, i):
+    """A message's content as text: a string, null, or a list of {"type": "text", "text": ...}."""
+    content = m.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            where = f"messages[{i}].content[{k}]"
+            if not isinstance(part, dict) or part.get("type", "text") != "text":
+                raise BadRequest(f"'{where}' must be a text part, {{\"type\": \"text\", \"text\": ...}}; "
+                                 "pinfer reads text only")
+            parts.append(_text(part.get("text"), where + ".text"))
+        return "".join(parts)
+    return _text(content, f"messages[{i}].content")
+
+
+def _flag(data, key):
+    v = data.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest(f"'{key}' must be true or false, not {json.dumps(v)[:40]}")
+    return bool(v)
+
+
+def make_app(path, options=ServerOptions(), on_load_error=None):
+    """The Starlette app. on_load_error(exception): called on the loading thread if the model
+    fails to load (pinfer serve prints the reason and exits); without it /health says so."""
     from pathlib import Path
 
-    engine = Engine(path, options)
+    engine = Engine(path, options, on_load_error)
     model_id = options.model_id or Path(path).stem
     created = int(time.time())
 
     def check_auth(request):
         if options.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {options.api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        # RFC 7235: the scheme is case-insensitive
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), options.api_key.encode()):
             raise BadRequest("a valid API key is required: send 'Authorization: Bearer KEY'", 401)
 
     def check_ready():
@@ -171,17 +229,25 @@ def make_app(path, options=ServerOptions()):
 
     async def read_json(request):
         length = request.headers.get("content-length")
-        if length is not None and int(length) > options.max_body_bytes:
+        if length is not None and (not length.isdigit() or int(length) > options.max_body_bytes):
             raise BadRequest(f"the request body is {length} bytes, over the limit of {options.max_body_bytes}", 413)
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > options.max_body_bytes:
-                raise BadRequest(f"the request body is over the limit of {options.max_body_bytes} bytes", 413)
+        async def collect():
+            body = b""
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > options.max_body_bytes:
+                    raise BadRequest(f"the request body is over the limit of {options.max_body_bytes} bytes", 413)
+            return body
+        try:
+            body = await asyncio.wait_for(collect(), options.body_seconds)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the request body did not arrive within {options.body_seconds:g} s", 408) from None
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        except RecursionError:
+            raise BadRequest("the request body is JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise BadRequest("the request body must be a JSON object")
         bad = [k for k, rule in UNSUPPORTED.items() if k in data and rule(data[k])]
@@ -193,8 +259,9 @@ def make_app(path, options=ServerOptions()):
         v = data.get(key, default)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-            raise BadRequest(f"'{key}' must be a number from {lo} to {hi}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or \
+                kind is int and v != int(v):
+            raise BadRequest(f"'{key}' must be a {'whole ' if kind is int else ''}number from {lo} to {hi}")
         return kind(v)
 
     def generation(data, n_prompt):
@@ -212,30 +279,40 @@ def make_app(path, options=ServerOptions()):
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
             raise BadRequest("'stop' must be a string or a list of up to 4 strings")
-        return GenerateOptions(n_predict=min(max_tokens, room), sampler=sampler), stop
+        stop = [_text(s, "stop") for s in stop]
+        # every request prefills its prompt afresh: a cached prefix computed by another request
+        # would round differently, and identical requests must give identical output
+        return GenerateOptions(n_predict=min(max_tokens, room), sampler=sampler, reuse_cache=False), stop
+
+    def prompt_of(data, chat):
+        """Token ids of the request's prompt (run on engine.prep: templates and tokenizers take time)."""
+        tok = engine.session.tokenizer
+        if chat:
+            messages = data.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+                raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+            messages = [{**m, "role": _text(m["role"], f"messages[{i}].role"), "content": _content(m, i)}
+                        for i, m in enumerate(messages)]
+            return tok.encode(render_messages(engine.session, messages, options.chat_template))
+        prompt = data.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadRequest("'prompt' must be a string")
+        return tok.encode(_text(prompt, "prompt"))
 
     async def handle(request, chat):
         try:
             check_auth(request)
             data = await read_json(request)
             check_ready()
-            tok = engine.session.tokenizer
-            if chat:
-                messages = data.get("messages")
-                if not isinstance(messages, list) or not messages or not all(
-                        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-                    raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
-                for m in messages:
-                    if isinstance(m.get("content"), list):  # [{"type": "text", "text": ...}, ...]
-                        m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
-                prompt_ids = tok.encode(render_messages(engine.session, messages, options.chat_template))
-            else:
-                prompt = data.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1:
-                    prompt = prompt[0]
-                if not isinstance(prompt, str):
-                    raise BadRequest("'prompt' must be a string")
-                prompt_ids = tok.encode(prompt)
+            stream = _flag(data, "stream")
+            stream_options = data.get("stream_options")
+            if stream_options is not None and not isinstance(stream_options, dict):
+                raise BadRequest("'stream_options' must be an object, e.g. {\"include_usage\": true}")
+            include_usage = _flag(stream_options or {}, "include_usage")
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(engine.prep, prompt_of, data, chat)
             gen, stops = generation(data, len(prompt_ids))
         except BadRequest as e:
             return _error(str(e), e.status, e.code)
@@ -244,8 +321,7 @@ def make_app(path, options=ServerOptions()):
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         obj = "chat.completion" if chat else "text_completion"
         cancelled = threading.Event()
-        if data.get("stream"):
-            include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+        if stream:
             return StreamingResponse(sse(rid, obj, chat, prompt_ids, gen, stops, cancelled, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(watch_disconnect(request, cancelled))

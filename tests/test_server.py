@@ -20,28 +20,32 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve")
-    src = make_tiny_llama_gguf(d / "tiny.gguf", qtype="Q8_0")
-    subprocess.run([sys.executable, "-m", "pinfer", "convert", str(src), "-o", str(d / "tiny.pinf"), "--sparsity", "none"],
-                   check=True, capture_output=True)
+def start_server(pinf, *args):
+    """(process, base URL) of `pinfer serve pinf *args` on a free loopback port, once /health is ok."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pinfer", "serve", str(d / "tiny.pinf"), "--port", str(port),
-                             "--api-key", KEY, "-t", "1", "-c", "256", "--max-tokens-limit", "200"],
+    proc = subprocess.Popen([sys.executable, "-m", "pinfer", "serve", str(pinf), "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while True:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
+                return proc, base
         except httpx.HTTPError:
             pass
         if time.time() > deadline or proc.poll() is not None:
             proc.kill()
             pytest.fail(f"server did not come up: {proc.stderr.read().decode()[-2000:]}")
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve")
+    src = make_tiny_llama_gguf(d / "tiny.gguf", qtype="Q8_0")
+    subprocess.run([sys.executable, "-m", "pinfer", "convert", str(src), "-o", str(d / "tiny.pinf"), "--sparsity", "none"],
+                   check=True, capture_output=True)
+    proc, base = start_server(d / "tiny.pinf", "--api-key", KEY, "-t", "1", "-c", "256", "--max-tokens-limit", "200")
     yield base
     proc.terminate()
     proc.wait(10)
