@@ -23,3 +23,54 @@ def llamacpp(py, what, gguf, threads, **args):
     cmd += [x for k, v in args.items() for x in (f"--{k}" if len(k) > 1 else f"-{k}", str(v))]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=clean_env())
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class LlamaWorker:
+    """A warm llama.cpp process (llamacpp_side.py worker) on one model and thread count."""
+
+    def __init__(self, py, gguf, threads):
+        self.proc = subprocess.Popen([str(py), str(SIDE), "worker", str(gguf), "--threads", str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env())
+        if not json.loads(self.proc.stdout.readline()).get("ready"):
+            raise RuntimeError("llama.cpp's worker did not start")
+
+    def decode(self, n):
+        """tok/s of n greedy decode steps."""
+        self.proc.stdin.write(f"decode {n}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["tok_s"]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def quantize(py, src, dst, qtype):
+    """dst: src re-quantized to qtype (e.g. Q4_0, Q4_K_M) by llama.cpp's own quantizer."""
+    partial = Path(str(dst) + ".partial")
+    cmd = [str(py), str(SIDE), "quantize", str(src), str(partial), "--type", qtype, "--threads", "2"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=clean_env())
+    if json.loads(out.stdout.strip().splitlines()[-1])["rc"] != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {qtype}")
+    partial.rename(dst)
+    return dst
+
+
+def llamacpp_info(py):
+    """llama-cpp-python's version and llama.cpp's build flags (llama_print_system_info)."""
+    return llamacpp(py, "info", "-", 1)
+
+
+def machine():
+    """The CPU's model name, core count and the vector extensions that matter here."""
+    flags, name = set(), "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and name == "unknown CPU":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni") if f in flags]
+    return f"{name}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX2'}"

@@ -5,6 +5,9 @@
   python benchmarks/llamacpp_side.py greedy MODEL.gguf --ids 504,3575 -n 64
   python benchmarks/llamacpp_side.py score MODEL.gguf --ids 504,3575,...
   python benchmarks/llamacpp_side.py decode MODEL.gguf --threads 1 -n 128
+  python benchmarks/llamacpp_side.py worker MODEL.gguf --threads 1     # then "decode N" lines on stdin
+  python benchmarks/llamacpp_side.py info -                             # version and build flags
+  python benchmarks/llamacpp_side.py quantize SRC.gguf DST.gguf --type Q4_0
 """
 
 import argparse
@@ -77,21 +80,58 @@ def score(a):
 def decode(a):
     """Decode speed: prompt, then n greedy tokens, each one llama_decode of a single token."""
     llm = load(a.model, 512, a.threads)
-    prompt = llm.tokenize(b"The capital of France is", add_bos=False)
+    dt = decode_loop(llm, llm.tokenize(b"The capital of France is", add_bos=False), a.n)
+    return {"tokens": a.n, "seconds": dt, "tok_s": a.n / dt}
+
+
+def decode_loop(llm, prompt, n):
+    """Seconds for n greedy tokens after `prompt`, each one llama_decode of a single token."""
     llm.reset()
     llm.eval(prompt)
     t = int(np.argmax(last_logits(llm)))
     t0 = time.perf_counter()
-    for _ in range(a.n):
+    for _ in range(n):
         llm.eval([t])
         t = int(np.argmax(last_logits(llm)))
-    dt = time.perf_counter() - t0
-    return {"tokens": a.n, "seconds": dt, "tok_s": a.n / dt}
+    return time.perf_counter() - t0
+
+
+def worker(a):
+    """Load once, warm up, then answer each "decode N" line of stdin with one JSON line, so that a
+    benchmark can alternate warm runs of both engines."""
+    import sys
+    llm = load(a.model, 512, a.threads)
+    prompt = llm.tokenize(b"The capital of France is", add_bos=False)
+    decode_loop(llm, prompt, 16)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        n = int(line.split()[1])
+        dt = decode_loop(llm, prompt, n)
+        print(json.dumps({"tokens": n, "seconds": dt, "tok_s": n / dt}), flush=True)
+    return None
+
+
+def info(a):
+    import llama_cpp
+    return {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+
+
+def quantize(a):
+    """DST (the `text` argument) from MODEL re-quantized by llama.cpp's own quantizer to --type."""
+    import ctypes
+
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{a.type.upper()}")
+    params.allow_requantize = True
+    params.nthread = a.threads
+    rc = llama_cpp.llama_model_quantize(a.model.encode(), a.text.encode(), ctypes.byref(params))
+    return {"rc": rc, "out": a.text}
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["perplexity", "greedy", "score", "decode"])
+    p.add_argument("what", choices=["perplexity", "greedy", "score", "decode", "worker", "info", "quantize"])
     p.add_argument("model")
     p.add_argument("text", nargs="?")
     p.add_argument("--ctx", type=int, default=512)
@@ -99,8 +139,12 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--ids", default="")
     p.add_argument("-n", type=int, default=64)
+    p.add_argument("--type", default="Q4_0")
     a = p.parse_args()
-    print(json.dumps({"perplexity": perplexity, "greedy": greedy, "score": score, "decode": decode}[a.what](a)))
+    out = {"perplexity": perplexity, "greedy": greedy, "score": score, "decode": decode, "worker": worker,
+           "info": info, "quantize": quantize}[a.what](a)
+    if out is not None:
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

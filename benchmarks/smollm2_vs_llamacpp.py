@@ -1,16 +1,26 @@
-"""Decode speed of pinfer against llama.cpp on the same GGUF, in one run, as ratios.
+"""Decode speed of pinfer against llama.cpp on the same GGUF files, in one run, as ratios.
 
     python benchmarks/smollm2_vs_llamacpp.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
-        --llama-python .venv-llama/bin/python [--pinf converted.pinf] [--tokens 128] [--repeats 3]
+        --llama-python .venv-llama/bin/python [--q4-0] [--pinf converted.pinf] [--threads 1,2]
+        [--tokens 128] [--repeats 5]
 
-pinfer runs `--pinf` (e.g. the default `pinfer convert` output, with its per-layer sparsity) or,
-without it, a dense conversion made on the spot (`--sparsity none`, seconds).
-
-llama.cpp runs through llama-cpp-python in its own environment (benchmarks/llamacpp_side.py);
-the two sides alternate, `--repeats` times per thread count, and the median of each is reported.
-Both decode greedily after the same short prompt, one token per call. The table also gives the
-weight bytes each pinfer token reads, the effective bandwidth, and the time per token that
-pinfer spends in Python outside ONNX Runtime and its kernels.
+The protocol, for a reader who wants to check it:
+- each engine loads the model once and decodes 16 tokens before anything is timed. llama.cpp runs
+  in its own process and Python (llama-cpp-python, benchmarks/llamacpp_side.py worker), started
+  with PATH, HOME and the locale only: nothing of this process's environment (benchmarks/engines.py);
+- per model and thread count the engines alternate `--repeats` times (at least 5), the one that
+  goes first switching every round; both decode greedily, one token per call, after the same
+  5-token prompt;
+- each figure is the median tok/s with the range (min-max) of the runs; the ratio is of medians;
+- the header gives the machine, both engines' versions and build flags, and the instruction set
+  pinfer's kernels take;
+- `--q4-0` adds the same model in Q4_0, re-quantized from the Q4_1 file by llama.cpp's own
+  quantizer (cached beside it);
+- the bound column is this machine's read bandwidth (NumPy reductions over 512 MiB, on 1 and 2
+  threads, measured in the same run) over the weight bytes pinfer reads per token, and pinfer's
+  share of that bound.
+pinfer runs a dense conversion made on the spot (`--sparsity none`, seconds), or `--pinf` for the
+first model.
 """
 
 import argparse
@@ -19,23 +29,22 @@ import io
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 
 import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
 
+from pinfer import kernels
 from pinfer.converter.convert import ConvertOptions, convert
 from pinfer.converter.passes import DENSE
 from pinfer.runtime import bench
 from pinfer.runtime.model import Model, RuntimeOptions
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
-
-
-def weight_bytes_per_token(model):
-    return bench.weight_bytes_per_token(model.reader, model.cfg)
 
 
 def pinfer_decode(model, n):
@@ -47,83 +56,84 @@ def pinfer_decode(model, n):
     return n / (time.perf_counter() - t0)
 
 
-def python_overhead_us(model, n):
-    """Per-token time outside ONNX Runtime runs and kernel calls, from a timed copy of the loop."""
-    model.reset()
-    t = int(model.forward(PROMPT_IDS)[-1].argmax())
-    t = int(model.forward([t])[-1].argmax())  # binds the one-token buffers and steps
-    inner = 0.0
-    steps = model.steps
-    timed = []
-    for s in steps:
-        def wrap(s=s):
-            nonlocal inner
-            a = time.perf_counter()
-            s()
-            inner += time.perf_counter() - a
-        timed.append(wrap)
-    head_run = model.head.run
+def read_bandwidth(threads, nbytes=512 << 20, repeats=5):
+    """Bytes per second that `threads` threads read, each summing its share of a large array
+    (NumPy's reductions run without the GIL); best of `repeats`."""
+    a = np.ones(nbytes // 8, np.int64)
+    parts = np.array_split(a, threads)
+    best = np.inf
+    for _ in range(repeats):
+        workers = [threading.Thread(target=p.sum) for p in parts]
+        t = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
 
-    def head_timed():
-        nonlocal inner
-        a = time.perf_counter()
-        head_run()
-        inner += time.perf_counter() - a
 
-    model.steps, model.head.run = timed, head_timed
+def q4_0_of(gguf, py):
+    out = gguf.with_name(gguf.name.replace("Q4_1", "Q4_0") if "Q4_1" in gguf.name else gguf.stem + ".Q4_0.gguf")
+    if not out.exists():
+        engines.quantize(py, gguf, out, "Q4_0")
+    return out
+
+
+def measure(pinf, gguf, threads, a):
+    """(pinfer tok/s runs, llama.cpp tok/s runs, MB read per token) of one model at one thread count."""
+    model = Model(pinf, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
+    llama = engines.LlamaWorker(a.llama_python, gguf, threads)
     try:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            t = int(model.forward([t])[-1].argmax())
-        total = time.perf_counter() - t0
+        pinfer_decode(model, 16)         # warm-up; llama.cpp's worker warmed itself up
+        ours, theirs = [], []
+        for r in range(a.repeats):
+            sides = [lambda: ours.append(pinfer_decode(model, a.tokens)),
+                     lambda: theirs.append(llama.decode(a.tokens))]
+            for side in sides[::-1] if r % 2 else sides:
+                side()
+        return ours, theirs, bench.weight_bytes_per_token(model.reader, model.cfg) / 1e6
     finally:
-        model.steps, model.head.run = steps, head_run
-    return (total - inner) / n * 1e6, total / n * 1e6
+        llama.close()
 
 
-def llamacpp_decode(py, gguf, threads, n):
-    return engines.llamacpp(py, "decode", gguf, threads, n=n)["tok_s"]
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--llama-python", default=None, help="python of an environment with llama-cpp-python")
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--llama-python", required=True, help="python of an environment with llama-cpp-python")
+    ap.add_argument("--q4-0", action="store_true", help="also the model re-quantized to Q4_0 by llama.cpp")
+    ap.add_argument("--pinf", type=Path, default=None, help="a converted file of --model to run instead")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--pinf", type=Path, default=None, help="a converted file of the same model to run")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.repeats < 5:
+        ap.error("--repeats is at least 5: fewer alternations do not give a median worth a ratio")
+    threads = [int(x) for x in a.threads.split(",")]
+    ggufs = [a.model] + ([q4_0_of(a.model, a.llama_python)] if a.q4_0 else [])
+    info = engines.llamacpp_info(a.llama_python)
+    bandwidth = {t: read_bandwidth(t) for t in threads}
+    print(f"machine: {engines.machine()}; read bandwidth "
+          + ", ".join(f"{bw / 1e9:.1f} GB/s on {t} thread{'s' * (t > 1)}" for t, bw in bandwidth.items()))
+    print(f"pinfer {version('pinfer')} (onnxruntime {version('onnxruntime')}, its kernels' ISA "
+          f"{kernels.sparse_isa()}); llama.cpp via llama-cpp-python {info['version']}: {info['system_info']}")
+    print(f"greedy decode of {a.tokens} tokens after a 5-token prompt; median (min-max) of {a.repeats} alternating "
+          "runs per row, after a warm-up of each engine\n")
+    print("| model | threads | pinfer tok/s | llama.cpp tok/s | ratio | MB read/token | bound tok/s | pinfer / bound |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
-        pinf = a.pinf
-        if pinf is None:
-            pinf = Path(tmp) / "m.pinf"
-            with contextlib.redirect_stderr(io.StringIO()):
-                convert(ConvertOptions(a.model, pinf, passes=DENSE))
-        rows = []
-        for threads in [int(x) for x in a.threads.split(",")]:
-            model = Model(pinf, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
-            modes = ", ".join(model.sparsity_names)
-            if model.path_choices:      # what --ffn-kernel auto made of the file's rules at load
-                modes += "; FFN " + ", ".join(f"{c['rule']}: {c['path']}" for c in model.path_choices)
-            pinfer_decode(model, 8)  # warm up
-            ours, theirs = [], []
-            for _ in range(a.repeats):
-                ours.append(pinfer_decode(model, a.tokens))
-                if a.llama_python:
-                    theirs.append(llamacpp_decode(a.llama_python, a.model, threads, a.tokens))
-            py_us, step_us = python_overhead_us(model, a.tokens)
-            nbytes = weight_bytes_per_token(model)
-            o = statistics.median(ours)
-            t = statistics.median(theirs) if theirs else float("nan")
-            rows.append((threads, o, t, o / t if theirs else float("nan"), nbytes / 1e6, nbytes * o / 1e9, py_us, step_us))
-            del model
-    print(f"\nSmolLM2 decode, {a.tokens} tokens after a 5-token prompt, median of {a.repeats} alternating runs; "
-          f"pinfer runs {pinf.name if a.pinf else 'a dense conversion'} ({modes})\n")
-    print("| threads | pinfer tok/s | llama.cpp tok/s | ratio | MB read/token | pinfer GB/s | Python µs/token (of µs) |")
-    print("|---|---|---|---|---|---|---|")
-    for th, o, t, r, mb, gbs, py_us, step_us in rows:
-        print(f"| {th} | {o:.1f} | {t:.1f} | {r:.2f} | {mb:.1f} | {gbs:.1f} | {py_us:.0f} ({step_us:.0f}) |")
+        for gguf in ggufs:
+            pinf = a.pinf if a.pinf and gguf == a.model else Path(tmp) / f"{gguf.stem}.pinf"
+            if not pinf.exists():
+                with contextlib.redirect_stderr(io.StringIO()):
+                    convert(ConvertOptions(gguf, pinf, passes=DENSE))
+            for t in threads:
+                ours, theirs, mb = measure(pinf, gguf, t, a)
+                o, l = statistics.median(ours), statistics.median(theirs)
+                bound = bandwidth[t] / (mb * 1e6)
+                print(f"| {gguf.name} | {t} | {o:.1f} ({min(ours):.1f}-{max(ours):.1f}) | {l:.1f} "
+                      f"({min(theirs):.1f}-{max(theirs):.1f}) | {o / l:.2f}x | {mb:.1f} | {bound:.0f} | {o / bound:.0%} |",
+                      flush=True)
 
 
 if __name__ == "__main__":
