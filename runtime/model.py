@@ -8,11 +8,9 @@ neuron-major down_t bundle. Residual adds ride inside SkipSimplifiedLayerNormali
 and per K/V, bound as both past and present (GroupQueryAttention writes in place).
 """
 
-import ctypes
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -23,279 +21,11 @@ from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig
 from pinfer.kernels import DownProjection
 
-from . import hybrid, placement
+from . import autotune, hybrid, placement
+from .options import DEFAULT_CTX, RuntimeOptions
+from .kv import AttentionState
+from .ort import Bound, Buf, DeviceEmulation, MatMulDown, SplitDown, drop_output, session_options
 from .sparse import Counters, LayerRule, Rule
-
-
-@dataclass(frozen=True)
-class RuntimeOptions:
-    n_ctx: int = 0          # 0: the model's training context, capped at DEFAULT_CTX
-    threads: int = 0        # 0: all cores
-    verbose: bool = False
-    sparsity: str = ""      # "": each layer's mode from the file; else dense | down:S | predicted:R | relu:R
-    # How sparse layers decode: "on" through pinfer's fused FFN kernel (rows the rule skips are not
-    # read), "off" through the ONNX graph + the NumPy rule (every row read: the reference path), or
-    # "auto": time both the kernel and the dense path at load and run each rule's layers through
-    # the kernel only where it is faster on this machine, dense elsewhere (on SmolLM2 the kernel
-    # is slower; at LLaMA-7B's shape with 10% active it is 1.9x faster). True/False mean on/off.
-    kernels: str | bool = "auto"
-    # Where the FFN's hot neurons run: "gpu" (hybrid: hot on the GPU, cold on the CPU), "cpu", or
-    # "auto" (the GPU where cuda-python finds one). "cpu-split" plans a split like "gpu" but runs
-    # the hot half on a second CPU kernel: it checks the split and the merge without a GPU.
-    device: str = "auto"
-    vram_budget: float | None = None   # GiB for the GPU part; None: free VRAM minus a margin
-    deterministic: bool = False        # the GPU's down projection in a fixed order (tests)
-    # Where the dense part (attention, norms, head) runs: "cpu" (the default until the GPU path has
-    # produced right output on a GPU since its fix), "auto" (ONNX Runtime's CUDA provider in FP16
-    # when the FFN runs on a GPU and onnxruntime-gpu is installed, else its CPU provider), "gpu", "cpu-fp16" (the FP16 graphs on the CPU provider: tests the conversion), or
-    # "emulated-gpu": the GPU's code path (device buffers reached only through copies, host inputs
-    # copied when bound, memory not zeroed at allocation) over the FP16 graphs on the CPU provider:
-    # CI's check of the device plumbing (see DeviceEmulation).
-    dense_device: str = "cpu"
-
-
-DEFAULT_CTX = 4096
-
-# --ffn-kernel auto: the kernel stays for a rule's layers when it takes under KEEP_BELOW of the dense
-# path's time, measured over up to TIMING_TOKENS decode steps (the first TIMING_WARMUP not counted,
-# stopping after TIMING_BUDGET_S once 3 are counted); prompts are then timed at PREFILL_SIZES.
-KEEP_BELOW = 0.95
-TIMING_TOKENS, TIMING_WARMUP, TIMING_BUDGET_S = 10, 2, 1.0
-PREFILL_BUDGET_S = 0.5      # the prompt timing stops at the first size past this much time
-PREFILL_SIZES = (2, 4, 8, 16, 32, 64)       # 64: kernels.MAX_BATCH, the most tokens of one batch call
-TIMING_TEXT = ("The history of the city begins in the early middle ages , when a small market grew around the "
-               "river crossing . Its people traded wool , grain and salt , and by the year 1200 the town had a "
-               "church , a bridge and a wall")
-
-
-def choose_path(rule_r, dense_r, keep_below=None):
-    """"kernel", "kernel-dense" or "dense" from the times of the kernel under the rule and in its
-    dense mode, as ratios to ONNX Runtime's dense path: the exact ways unless the rule is clearly
-    (keep_below, default KEEP_BELOW) faster than the faster of them; the kernel's dense mode only
-    where it is clearly faster than ONNX Runtime's."""
-    keep_below = KEEP_BELOW if keep_below is None else keep_below
-    if rule_r < keep_below * min(1.0, dense_r):
-        return "kernel"
-    return "kernel-dense" if dense_r < keep_below else "dense"
-
-
-def timing_tokens(spec, vocab, n):
-    """n token ids of ordinary English for timing the FFN paths: TIMING_TEXT's words looked up in
-    the vocabulary as whole tokens (GPT-2 or SentencePiece spelling), without the cost of building
-    the tokenizer; ids spread over the vocabulary where the vocabulary has no such words."""
-    index = {t: i for i, t in enumerate(spec.get("tokens") or [])}
-    ids = []
-    for k, word in enumerate(TIMING_TEXT.split()):
-        for spelling in ((word,) if k == 0 else ()) + ("\u0120" + word, "\u2581" + word, word):
-            if spelling in index:
-                ids.append(index[spelling])
-                break
-    if len(ids) < n:
-        ids += [int(i) for i in np.linspace(vocab // 4, vocab - 1, n - len(ids))]
-    return ids[:n]
-
-
-def rope_tables(cfg, n_ctx, freq_divisors=None):
-    """cos/sin caches (n_ctx, rotary_dim/2) for positions 0..n_ctx-1."""
-    half = cfg.rotary_dim // 2
-    inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2 / cfg.rotary_dim)
-    if freq_divisors is not None:
-        inv = inv / np.asarray(freq_divisors, np.float64)
-    pos = np.arange(n_ctx, dtype=np.float64) / cfg.rope_linear_scale
-    ang = np.outer(pos, inv)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-_shared_arena = False
-
-
-def _register_shared_arena():
-    """One CPU arena for every session of the process. Each session otherwise keeps its own arena,
-    grown to its largest call and never returned: a 512-token prefill left SmolLM2's 31 sessions
-    holding 1.2 GB, against 0.48 GB shared, at the same speed."""
-    global _shared_arena
-    if not _shared_arena:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
-        _shared_arena = True
-
-
-def _session_options(threads):
-    _register_shared_arena()
-    so = ort.SessionOptions()
-    so.add_session_config_entry("session.use_env_allocators", "1")
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # Sessions run one after another on the same cores: spinning pools would fight each other.
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return so
-
-
-class MatMulDown:
-    """The down projection as ONNX Runtime's MatMulNBits over W_down (d, n_ff), rebuilt in memory
-    at load from the file's q4r/q8r down_t: an exact transpose, since those formats keep GGUF's
-    groups, which run along n_ff, MatMulNBits' K. Every row is read, like DownProjection, only
-    faster; h is quantized to int8 per block of 32, as for every other MatMulNBits (and as
-    llama.cpp does). Same bind(h, y) contract as DownProjection."""
-
-    FORMATS = ("q4r", "q8r")
-
-    def __init__(self, fmt, parts, threads, n_ff, d):
-        from pinfer.converter.graphs import F32, GraphBuilder
-        plain, w = blocks.from_transposed_r(fmt, parts)     # W_down (d, n_ff)
-        self.rows = (plain, w)     # the fused kernel's row dots read the same arrays
-        self.arrays = {S.part_name("w", p): a for p, a in w.items()}
-        directory = {name: {"dtype": S.DTYPE_CODES[a.dtype], "shape": list(a.shape), "nbytes": a.nbytes}
-                     for name, a in self.arrays.items()}
-        b = GraphBuilder("down", directory)
-        h = b.input("h", F32, [1, "S", n_ff])
-        b.output(b.linear(h, "w", plain, d, n_ff), "y", F32, [1, "S", d])
-        so = _session_options(threads)
-        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays.values()]
-        so.add_external_initializers(list(self.arrays), values)
-        self.bound = _Bound(ort.InferenceSession(b.build().SerializeToString(), so,
-                                                 providers=["CPUExecutionProvider"]))
-        self.bound.keep["initializers"] = values
-
-    def bind(self, h, y):
-        self.bound.bind_in("h", h.reshape(1, *h.shape))
-        self.bound.bind_out("y", y.reshape(1, *y.shape))
-        return self.bound.run
-
-
-class SplitDown:
-    """The down projection of a layer written with --quant mixed: rows [0, hot) in one format,
-    the rest in another; the same bind(h, y) contract as DownProjection."""
-
-    def __init__(self, hot, cold):
-        self.hot, self.cold = hot, cold
-
-    def bind(self, h, y):
-        n_hot = self.hot.n_ff
-        if h.shape[0] == 1:       # decode: both halves of the one row are contiguous already
-            h_hot, h_cold = h[:, :n_hot], h[:, n_hot:]
-            copy = None
-        else:
-            h_hot = np.empty((h.shape[0], n_hot), np.float32)
-            h_cold = np.empty((h.shape[0], h.shape[1] - n_hot), np.float32)
-            copy = (h, h_hot, h_cold, n_hot)
-        y_cold = np.empty_like(y)
-        run_hot, run_cold = self.hot.bind(h_hot, y), self.cold.bind(h_cold, y_cold)
-
-        def run():
-            if copy:
-                src, a, b, k = copy
-                np.copyto(a, src[:, :k])
-                np.copyto(b, src[:, k:])
-            run_hot()
-            run_cold()
-            np.add(y, y_cold, out=y)
-        return run
-
-
-class Buf:
-    """An activation or cache buffer as an OrtValue: in host memory (with a NumPy view), on the GPU
-    the dense part runs on (ONNX Runtime allocates it; `ptr` is its device address), or "emulated":
-    host memory reached like a device's, through write/read and copies by address, never a view.
-    Device buffers are zeroed once here: the device's allocator returns whatever was there."""
-
-    def __init__(self, shape, dtype, device="cpu"):
-        self.shape, self.dtype, self.device = tuple(shape), np.dtype(dtype), device
-        if device == "cpu":
-            self.np = np.zeros(shape, dtype)
-            self.ov = ort.OrtValue.ortvalue_from_numpy(self.np)
-        else:
-            self.np = None
-            if device == "emulated":
-                self._memory = DeviceEmulation.allocate(shape, self.dtype)
-                self.ov = ort.OrtValue.ortvalue_from_numpy(self._memory)
-            else:
-                self.ov = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype.type, "cuda", 0)
-            self.zero()
-        self.ptr = self.ov.data_ptr()
-
-    def write(self, array):
-        if self.np is not None:
-            self.np[...] = array
-        else:
-            self.ov.update_inplace(np.ascontiguousarray(array, self.dtype).reshape(self.shape))
-
-    def zero(self):
-        self.write(np.zeros(self.shape, self.dtype)) if self.np is None else self.np.fill(0)
-
-    def read(self):
-        return self.np if self.np is not None else self.ov.numpy()
-
-
-class DeviceEmulation:
-    """The dense part's device plumbing on the CPU (dense_device "emulated-gpu"), faithful where
-    the GPU path can go wrong without a GPU showing it:
-    - ONNX Runtime copies a host input that a CUDA kernel consumes to the device when it is bound,
-      not when the session runs: a host array updated after binding keeps its first value there.
-      Here every host input is copied at bind time too, except those the CUDA kernels read on
-      the host (HOST_INPUTS: GroupQueryAttention's total_sequence_length, input 6);
-    - device memory comes uninitialised: emulated buffers start as NaN (all ones for integers);
-    - device buffers are reached through copies by address (to_host, to_device), as the FFN
-      steps reach the GPU's, and `pinned` arrays stand in for page-locked host memory."""
-
-    HOST_INPUTS = {("GroupQueryAttention", 6)}    # (op, input index) a CUDA kernel reads on the host
-
-    @staticmethod
-    def allocate(shape, dtype):
-        fill = np.nan if np.issubdtype(dtype, np.floating) else -1
-        return np.full(shape, fill, dtype)
-
-    @classmethod
-    def host_read(cls, graph):
-        """Names of the graph's inputs that the CUDA kernels read on the host."""
-        return {node.input[k] for node in graph.node for op, k in cls.HOST_INPUTS
-                if node.op_type == op and len(node.input) > k and node.input[k]}
-
-    @staticmethod
-    def pinned(n, dtype):
-        return np.zeros(max(1, n), dtype)[:n]
-
-    @staticmethod
-    def to_host(host, src):
-        ctypes.memmove(host.ctypes.data, src, host.nbytes)
-
-    @staticmethod
-    def to_device(dst, host):
-        ctypes.memmove(dst, np.ascontiguousarray(host).ctypes.data, host.nbytes)
-
-    @staticmethod
-    def sync():
-        pass
-
-
-class _Bound:
-    """A session with one IOBinding whose inputs and outputs are NumPy arrays or Bufs, by name.
-    snapshot: under DeviceEmulation, the input names the device reads on the host; every other
-    host input is copied when bound, as ONNX Runtime's CUDA provider does."""
-
-    def __init__(self, session, snapshot=None):
-        self.sess = session
-        self.io = session.io_binding()
-        self._run = session._sess.run_with_iobinding   # the raw call: ~2 µs against ~50 µs
-        self._ro = ort.RunOptions()
-        self.keep = {}
-        self.snapshot = snapshot
-
-    def bind_in(self, name, array):
-        if self.snapshot is not None and name not in self.snapshot:
-            host = array.np if isinstance(array, Buf) else array
-            array = host.copy() if host is not None else array     # a device Buf has no host view
-        self.keep[name] = array
-        self.io.bind_ortvalue_input(name, array.ov if isinstance(array, Buf) else ort.OrtValue.ortvalue_from_numpy(array))
-
-    def bind_out(self, name, array):
-        self.keep["out:" + name] = array
-        self.io.bind_ortvalue_output(name, array.ov if isinstance(array, Buf) else ort.OrtValue.ortvalue_from_numpy(array))
-
-    def run(self):
-        self._run(self.io._iobinding, self._ro)
 
 
 class Model:
@@ -339,25 +69,14 @@ class Model:
             raise ValueError(f"ffn kernel {options.kernels!r} is not one of auto, on, off")
         self.path_choices = []      # what --ffn-kernel auto measured and chose, one entry per rule
         self.prefill_by_token = 0   # prompts of 2..this many tokens take the kernel's batch call
-        self.prefill_times = []     # (prompt length, kernel batch time / dense graphs' time), _choose_prefill
+        self.prefill_times = []     # (prompt length, kernel batch time / dense graphs' time), autotune.choose_prefill
         self.attn = self.layers if gpu_dense else None   # attention-only sessions, made on first need
 
-        kv_shape = (1, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
-        self.kv = [(Buf(kv_shape, self.act_dtype, self.act_at), Buf(kv_shape, self.act_dtype, self.act_at))
-                   for _ in range(cfg.n_layer)]
-        freqs = r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None
-        tables = rope_tables(cfg, self.n_ctx, freqs)
-        self.cos, self.sin = (Buf(t.shape, self.act_dtype, self.act_at) for t in tables)
-        for buf, table in zip((self.cos, self.sin), tables):
-            buf.write(table)
+        self.attention = AttentionState(cfg, self.n_ctx, self.act_dtype, self.act_at,
+                                        r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None)
+        self.attention.bind(self.layers)
         # what loading the dense part took from the device (weights, KV cache, ONNX Runtime's arena)
         self.dense_gpu_measured = free_at_start - self.gpu.mem_info()[0] if self.act_at == "cuda" else 0
-        # GroupQueryAttention's lengths: seqlens_k (total length - 1) is read on the device, so it
-        # lives there, written once per call for every layer (a host array would be copied to the
-        # GPU once, when bound, and keep its first value); total_sequence_length is read on the host.
-        self.seqlens = Buf((1,), np.int32, self.act_at)
-        self.total = np.zeros((), np.int32)      # total length after this call
-        self._bind_state(self.layers)
         self._shape = None       # the sequence length the activation buffers are bound for
         self._head_shape = None  # the row count the head's buffers are bound for
         self.n_past = 0
@@ -377,16 +96,16 @@ class Model:
             self._report_vram()
         if any(self.ffns):
             self._attention_sessions()
-        self._shape = None      # the bound steps call the rules: bind again
+        self.unbind()      # the bound steps call the rules
         self.path_choices, self.prefill_by_token, self.prefill_times = [], 0, []
         if self.use_kernels == "auto" and self.device == "cpu" and not self.on_device and any(self.ffns):
-            self._choose_paths()
+            autotune.choose_paths(self)
 
     def _attention_sessions(self):
         if self.attn is None:
             self.attn = [self._session(S.LAYER_GRAPH.format(i), self.threads, attention_only=True)
                          for i in range(self.cfg.n_layer)]
-            self._bind_state(self.attn)
+            self.attention.bind(self.attn)
 
     def set_active_sets(self, draw, hotness=None):
         """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending
@@ -403,7 +122,7 @@ class Model:
             self._report_vram()
         self.draw = draw
         self._attention_sessions()
-        self._shape = None
+        self.unbind()
         self.path_choices, self.prefill_by_token, self.prefill_times = [], 0, []
 
     def _sparse_ffn(self, i):
@@ -509,7 +228,7 @@ class Model:
         """VRAM the dense part holds before the FFN gets any: {} when it runs on the CPU."""
         if self.dense_device != "gpu":
             return {}
-        kv = sum(2 * int(np.prod(k.shape)) * k.dtype.itemsize for k, _ in self.kv)    # K and V
+        kv = self.attention.kv_bytes
         return {"dense weights": self.dense_gpu_bytes, "KV cache": kv, "scratch": placement.DENSE_SCRATCH}
 
     def _report_vram(self):
@@ -564,20 +283,10 @@ class Model:
         return SplitDown(DownProjection(hot_fmt, hot_parts, self.threads, hot, cfg.d_model),
                          DownProjection(*r.block(cold), self.threads, cfg.n_ff - hot, cfg.d_model))
 
-    def _bind_state(self, sessions):
-        """Bind the KV cache, positions and RoPE tables, shared by every layer session."""
-        for i, layer in enumerate(sessions):
-            k, v = self.kv[i]
-            for name, a in (("past_key", k), ("past_value", v), ("seqlens_k", self.seqlens),
-                            ("total_len", self.total), ("cos_cache", self.cos), ("sin_cache", self.sin)):
-                layer.bind_in(name, a)
-            layer.bind_out("present_key", k)
-            layer.bind_out("present_value", v)
-
     def _session(self, graph, threads, attention_only=False):
         proto = onnx.load_from_string(self.reader.graph_bytes(graph))
         if attention_only:
-            _drop_output(proto.graph, "ffn_h")
+            drop_output(proto.graph, "ffn_h")
         halved = set()
         if self.dense_device != "cpu":
             from .fp16 import to_fp16
@@ -590,7 +299,7 @@ class Model:
                 a = a.astype(np.float16) if t.name in halved else a
                 values.append(ort.OrtValue.ortvalue_from_numpy(a))
                 self.dense_gpu_bytes += a.nbytes if self.dense_device == "gpu" else 0
-        so = _session_options(threads)
+        so = session_options(threads)
         so.add_external_initializers(names, values)
         if self.dense_device in ("cpu-fp16", "emulated-gpu"):
             so.log_severity_level = 3   # the CPU provider lacks some FP16 kernels and says so per node
@@ -605,12 +314,12 @@ class Model:
             from pinfer.kernels.gpu import GpuError
             raise GpuError("ONNX Runtime could not start its CUDA provider (are CUDA 13 and cuDNN 9 installed? "
                            "see README.md); run with --device cpu, or fix the CUDA install")
-        bound = _Bound(sess, DeviceEmulation.host_read(proto.graph) if self.act_at == "emulated" else None)
+        bound = Bound(sess, DeviceEmulation.host_read(proto.graph) if self.act_at == "emulated" else None)
         bound.keep["initializers"] = values   # ORT uses these buffers; keep them alive
         return bound
 
     # -- activations ---------------------------------------------------------------------------
-    def _bind_activations(self, n):
+    def bind_activations(self, n):
         """(Re)bind the activation buffers for a call over n tokens."""
         if self._shape == n:
             return
@@ -627,25 +336,31 @@ class Model:
         self.x = Buf((1, n, d), np.float32, self.act_at if on_gpu else "cpu")
         self.h = np.zeros((1, n, self.cfg.n_ff), np.float32)
         self.steps = [s for i in range(self.cfg.n_layer)
-                      for s in self._layer_steps(i, kernel and self.ffns[i] is not None, on_gpu, n=n)]
+                      for s in self.layer_steps(i, kernel and self.ffns[i] is not None, on_gpu, n=n)]
         self._shape = n
 
+    def unbind(self):
+        """Forget the bound steps (the rules, paths or prompt routing changed): the next call binds
+        its buffers and steps again."""
+        self._shape = None
+
     def prefill_through_kernel(self, up_to):
-        """Send prompts of up to `up_to` tokens (at most PREFILL_SIZES[-1]) through the kernel's
-        batch call, longer ones through the dense graphs, instead of what _choose_prefill chose:
+        """Send prompts of up to `up_to` tokens (at most autotune.PREFILL_SIZES[-1]) through the kernel's
+        batch call, longer ones through the dense graphs, instead of what autotune.choose_prefill chose:
         for benchmarks and tests. 0: every prompt through the dense graphs."""
-        if not 0 <= up_to <= PREFILL_SIZES[-1]:
-            raise ValueError(f"the kernel's batch call takes prompts of up to {PREFILL_SIZES[-1]} tokens, "
+        if not 0 <= up_to <= autotune.PREFILL_SIZES[-1]:
+            raise ValueError(f"the kernel's batch call takes prompts of up to {autotune.PREFILL_SIZES[-1]} tokens, "
                              f"not {up_to}")
-        self.prefill_by_token, self._shape = up_to, None
+        self.prefill_by_token = up_to
+        self.unbind()
 
     def _batches(self, n):
         """Whether a prompt of n tokens runs through the kernel's batch call (prefill_by_token,
-        set by _choose_prefill; the CPU's kernels only)."""
+        set by autotune.choose_prefill; the CPU's kernels only)."""
         return 1 < n <= self.prefill_by_token and not self.on_device and \
             all(f is None or hasattr(f[0], "bind_batch") for f in self.ffns)
 
-    def _layer_steps(self, i, kernel, on_gpu=False, rule=None, entry=None, n=1):
+    def layer_steps(self, i, kernel, on_gpu=False, rule=None, entry=None, n=1):
         """Layer i's steps over the bound buffers: the attention-only session and the fused FFN
         kernel (decode, or a prompt of n tokens in one batch call; `entry` as in self.ffns, default
         the layer's), or the whole layer graph, `rule` (default the layer's) and the down
@@ -697,116 +412,14 @@ class Model:
         return step
 
     # -- --ffn-kernel auto ------------------------------------------------------------------------
-    def _choose_paths(self):
-        """Decode a few tokens with every sparse layer run three ways: the fused kernel under its
-        rule ("kernel"), the same kernel over every neuron ("kernel-dense") and the layer graph with
-        MatMulNBits ("dense"). A rule's layers keep the kernel and the rule only where their summed
-        time is under KEEP_BELOW of the faster exact way (median over tokens); otherwise they run
-        the faster exact way, rule dropped, the kernel's dense mode only where it is under
-        KEEP_BELOW of the graph's. Each choice is printed and kept in path_choices; where a kernel
-        stays, prompts of up to prefill_by_token tokens take its batch call (_choose_prefill)."""
-        cfg = self.cfg
-        groups = {}
-        for i, f in enumerate(self.ffns):
-            if f is not None:
-                groups.setdefault(self.rules[i].rule.name, []).append(i)
-        dense = [LayerRule(self.reader, self.reader.header, i, Rule("dense"), Counters()) for i in range(cfg.n_layer)]
-        self._bind_activations(1)
-        steps = [(self._layer_steps(i, True), self._layer_steps(i, True, entry=(self.ffns[i][0], "dense", 0.0, 0.0)),
-                  self._layer_steps(i, False, rule=dense[i])) if self.ffns[i]
-                 else (self._layer_steps(i, False),) for i in range(cfg.n_layer)]
-        ids = timing_tokens(self.tokenizer_spec, self.cfg.vocab, TIMING_TOKENS)
-        spent = {name: [] for name in groups}      # per token: seconds of each way over the rule's layers
-        t_start = time.perf_counter()
-        for t, tok in enumerate(ids):
-            self._start(np.asarray([tok]), 1)
-            acc = {name: [0.0, 0.0, 0.0] for name in groups}
-            for i in range(cfg.n_layer):
-                if len(steps[i]) == 1:
-                    for step in steps[i][0]:
-                        step()
-                    continue
-                saved = self.delta.np.copy()     # every way reads the previous layer's FFN output
-                for k, way in enumerate(np.roll((0, 1, 2), t + i)):
-                    if k:
-                        self.delta.np[...] = saved
-                    t0 = time.perf_counter()
-                    for step in steps[i][way]:
-                        step()
-                    acc[self.rules[i].rule.name][way] += time.perf_counter() - t0
-            self.n_past += 1
-            if t >= TIMING_WARMUP:
-                for name, times in acc.items():
-                    spent[name].append(times)
-                if time.perf_counter() - t_start > TIMING_BUDGET_S and t - TIMING_WARMUP >= 2:
-                    break
-        self.reset()
-        self.counters.reset()
-        for name, layers in groups.items():
-            times = np.asarray(spent[name])
-            rule_r, dense_r = (float(np.median(times[:, k] / times[:, 2])) for k in (0, 1))
-            path = choose_path(rule_r, dense_r)
-            self.path_choices.append({"rule": name, "layers": len(layers), "tokens": len(times), "path": path,
-                                      "kernel_over_dense": rule_r, "kernel_dense_over_dense": dense_r})
-            if path != "kernel":
-                for i in layers:
-                    self.rules[i] = LayerRule(self.reader, self.reader.header, i, Rule("dense"), self.counters)
-                    self.ffns[i] = (self.ffns[i][0], "dense", 0.0, 0.0) if path == "kernel-dense" else None
-            does = {"kernel": f"decoding through the kernel under {name}",
-                    "kernel-dense": "running these layers dense through the kernel (rule dropped)",
-                    "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[path]
-            print(f"ffn: {name} on {len(layers)} layers, time against ONNX Runtime's dense path here ({self.threads} "
-                  f"thread{'s' * (self.threads > 1)}, median of {len(times)} tokens): fused kernel {rule_r:.2f}x, "
-                  f"its dense mode {dense_r:.2f}x: {does}", file=sys.stderr)
-        self._shape = None
-        if any(self.ffns):
-            self._choose_prefill()
-        elif not self.on_device:
-            self.attn = None        # the attention-only sessions go unused
-
-    def _choose_prefill(self):
-        """prefill_by_token: the largest prompt length (of PREFILL_SIZES) up to which the kernel's
-        batch call over the union of the tokens' candidates beats the dense graphs' batched prompt
-        processing, both timed here (best of two); prompts up to it take the batch call. As the
-        union grows with the prompt and the dense graphs' cost per token falls, the first length
-        where the kernel loses ends the search, as does PREFILL_BUDGET_S."""
-        ids = timing_tokens(self.tokenizer_spec, self.cfg.vocab, PREFILL_SIZES[-1])
-        chosen, times, t_start = 0, [], time.perf_counter()
-        for n in PREFILL_SIZES:
-            if n > self.n_ctx or time.perf_counter() - t_start > PREFILL_BUDGET_S:
-                break
-            best = []
-            for by_kernel in (n, 0):
-                self.prefill_by_token, self._shape = by_kernel, None
-                t = np.inf
-                for _ in range(2):
-                    self.reset()
-                    t0 = time.perf_counter()
-                    self.forward(list(ids[:n]))
-                    t = min(t, time.perf_counter() - t0)
-                best.append(t)
-            times.append((n, best[0] / best[1]))
-            if best[0] >= best[1]:
-                break
-            chosen = n
-        self.prefill_by_token, self._shape = chosen, None
-        self.prefill_times = times
-        self.reset()
-        self.counters.reset()
-        said = ", ".join(f"{n}: {r:.2f}x" for n, r in times)
-        print(f"ffn: prompt time of the kernel's batch call against the dense graphs ({said}): "
-              + (f"prompts of up to {chosen} tokens go through the kernel, longer ones through the dense graphs"
-                 if chosen else "prompts go through the dense graphs"), file=sys.stderr)
-
-    def _start(self, tokens, n):
+    def start(self, tokens, n):
         """Write a call's inputs: embeddings of `tokens`, a zero delta, the lengths."""
         rows = self.embed(tokens)
         if self.pos is not None:
             rows += self.pos[self.n_past:self.n_past + n]
         self.resid[0].write(rows[None])
         self.delta.zero()
-        self.seqlens.write(np.int32(self.n_past + n - 1))
-        self.total[()] = self.n_past + n
+        self.attention.set_lengths(self.n_past, n)
 
     def embed(self, tokens):
         return blocks.dequantize(self.embd_format, self.embd_parts, rows=np.asarray(tokens))
@@ -826,8 +439,8 @@ class Model:
             start = n - 1 if logits_from is None else logits_from
             rows = [self.forward([t]) for t in tokens]
             return np.concatenate(rows[start:])
-        self._bind_activations(n)
-        self._start(tokens, n)
+        self.bind_activations(n)
+        self.start(tokens, n)
         for step in self.steps:
             step()
         self.n_past += n
@@ -869,25 +482,6 @@ def _rows_from(ffn, n_ff):
     rows = getattr(ffn, "rows", None)
     return rows.from_ if rows is not None and rows.q else n_ff + 1
 
-
-def _drop_output(graph, name):
-    """Remove the output `name` and every node and initializer only it needed. ONNX Runtime does
-    not prune them itself: attention-only sessions kept computing gate/up (a 7B layer's 50 MB),
-    which made the fused kernel's decode slower than dense."""
-    keep = [o for o in graph.output if o.name != name]
-    del graph.output[:]
-    graph.output.extend(keep)
-    needed = {o.name for o in keep}
-    nodes = []
-    for node in reversed(graph.node):
-        if any(out in needed for out in node.output):
-            nodes.append(node)
-            needed.update(i for i in node.input if i)
-    del graph.node[:]
-    graph.node.extend(reversed(nodes))
-    inits = [t for t in graph.initializer if t.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(inits)
 
 
 class ContextFull(ValueError):

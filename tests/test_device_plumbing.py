@@ -22,7 +22,10 @@ from pinfer.formats import PinfReader
 from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig
 from pinfer.runtime import placement
-from pinfer.runtime.model import Buf, DeviceEmulation, Model, RuntimeOptions, _Bound
+from pinfer.runtime import model as model_mod
+from pinfer.runtime.kv import AttentionState
+from pinfer.runtime.model import Model, RuntimeOptions
+from pinfer.runtime.ort import Bound, Buf, DeviceEmulation
 
 IDS = list(range(5, 41))
 PROMPT = 8
@@ -47,13 +50,18 @@ def _top1(a, b):
     return float((a.argmax(-1) == b.argmax(-1)).mean())
 
 
-class HostLengths(Model):
-    """The runtime before the fix: seqlens_k in host memory, bound once and updated in place."""
+class HostLengths(AttentionState):
+    """The attention state before the fix: seqlens_k in host memory, bound once and updated in place."""
 
-    def _bind_state(self, sessions):
-        if self.seqlens.device != "cpu":
-            self.seqlens = Buf((1,), np.int32, "cpu")
-        super()._bind_state(sessions)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seqlens = Buf((1,), np.int32, "cpu")
+
+
+def _host_lengths(monkeypatch, path, options):
+    with monkeypatch.context() as m:
+        m.setattr(model_mod, "AttentionState", HostLengths)
+        return Model(path, options)
 
 
 def _identity_session():
@@ -68,14 +76,14 @@ def test_a_host_input_keeps_the_value_it_had_when_bound():
     """What ONNX Runtime's CUDA provider does to a host input of a CUDA kernel, and what a device
     buffer written through Buf.write does instead."""
     for snapshot, want in ((set(), 3), (None, 7), ({"seqlens_k"}, 7)):   # emulated, plain CPU, read on the host
-        b = _Bound(_identity_session(), snapshot)
+        b = Bound(_identity_session(), snapshot)
         host, out = np.array([3], np.int32), np.zeros(1, np.int32)
         b.bind_in("seqlens_k", host)
         b.bind_out("y", out)
         host[0] = 7
         b.run()
         assert out[0] == want, snapshot
-    b = _Bound(_identity_session(), set())
+    b = Bound(_identity_session(), set())
     dev, out = Buf((1,), np.int32, "emulated"), np.zeros(1, np.int32)
     b.bind_in("seqlens_k", dev)
     b.bind_out("y", out)
@@ -103,15 +111,15 @@ def test_only_the_attention_length_is_read_on_the_host(silu_file):
 
 
 @pytest.mark.parametrize("sparsity", ["dense", "predicted:0.99", "down:0.3"])
-def test_the_emulation_catches_host_lengths_and_the_fix_passes(silu_file, sparsity):
+def test_the_emulation_catches_host_lengths_and_the_fix_passes(silu_file, sparsity, monkeypatch):
     """Prefill, decode and the head with the dense part's buffers in (emulated) device memory:
     the pre-fix runtime fails as it did on the H200, the fixed one agrees with the CPU path."""
     opts = dict(sparsity=sparsity, kernels=True, threads=1, device="cpu")
     want = _run(Model(silu_file, RuntimeOptions(**opts)))
     spread = np.abs(want[1]).max()
     got = _run(Model(silu_file, RuntimeOptions(**opts, dense_device="emulated-gpu")))
-    broken = _run(HostLengths(silu_file, RuntimeOptions(**opts, dense_device="emulated-gpu")))
-    fp16 = _run(HostLengths(silu_file, RuntimeOptions(**opts, dense_device="cpu-fp16")))
+    broken = _run(_host_lengths(monkeypatch, silu_file, RuntimeOptions(**opts, dense_device="emulated-gpu")))
+    fp16 = _run(_host_lengths(monkeypatch, silu_file, RuntimeOptions(**opts, dense_device="cpu-fp16")))
     for part, (w, g, b, h) in enumerate(zip(want, got, broken, fp16)):
         print(f"{sparsity} {('prefill', 'decode')[part]}: fixed {np.abs(w - g).max():.3f} / {_top1(w, g):.0%}, "
               f"host lengths {np.abs(w - b).max():.3f} / {_top1(w, b):.0%} (max |logit| {spread:.2f})")
@@ -146,5 +154,5 @@ def test_the_emulated_device_refuses_what_the_gpu_refuses(silu_file):
     with pytest.raises(ValueError, match="dense device 'tpu'"):
         Model(silu_file, RuntimeOptions(device="cpu", dense_device="tpu"))
     m = Model(silu_file, RuntimeOptions(device="cpu", dense_device="emulated-gpu", threads=1))
-    assert m.on_device and m.act_dtype == np.float16 and m.kv[0][0].np is None
+    assert m.on_device and m.act_dtype == np.float16 and m.attention.kv[0][0].np is None
     assert m.prefill_by_token == 0 and not m.path_choices     # no timing of host-only paths

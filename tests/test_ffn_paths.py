@@ -1,14 +1,15 @@
 """--ffn-kernel auto: the runtime times the fused kernel under each rule, the kernel's dense mode
 and ONNX Runtime's dense path at load, and keeps the rule only where it is clearly faster
-(runtime/model.py _choose_paths). The timing itself is the machine's; these tests check what
+(runtime/autotune.py). The timing itself is the machine's; these tests check what
 follows from it, whichever way it goes, and force the ways."""
 
 import numpy as np
 import pytest
 
 from fixtures import convert_tiny_silu
-from pinfer.runtime import model as model_mod
-from pinfer.runtime.model import Model, RuntimeOptions, choose_path, timing_tokens
+from pinfer.runtime import autotune
+from pinfer.runtime.autotune import choose_path, timing_tokens
+from pinfer.runtime.model import Model, RuntimeOptions
 
 IDS = list(range(5, 37))
 
@@ -65,7 +66,7 @@ def test_the_choice_prefers_the_exact_ways():
 
 @pytest.mark.parametrize("keep_below, path", [(0.0, "dense"), (1e9, "kernel")])
 def test_each_way_of_the_choice(silu_file, monkeypatch, keep_below, path):
-    monkeypatch.setattr(model_mod, "KEEP_BELOW", keep_below)
+    monkeypatch.setattr(autotune, "KEEP_BELOW", keep_below)
     m = Model(silu_file, _opts(sparsity="down:0.3"))
     assert [c["path"] for c in m.path_choices] == [path]
     assert all(m.ffns) == (path == "kernel") and any(m.ffns) == (path == "kernel")
@@ -80,11 +81,11 @@ def test_each_way_of_the_choice(silu_file, monkeypatch, keep_below, path):
 def test_prompts_up_to_the_crossover_take_the_kernels_batch_call(silu_file, monkeypatch, capfd):
     """A prompt up to prefill_by_token runs each layer's FFN as one batch call of the kernel, which
     gives each token its decode call's FFN: the logits match decoding the prompt token by token."""
-    monkeypatch.setattr(model_mod, "KEEP_BELOW", 1e9)
+    monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
     m = Model(silu_file, _opts(sparsity="down:0.3"))
     assert m.prefill_by_token in (0, 2, 4, 8, 16, 32, 64)
     lengths = [n for n, _ in m.prefill_times]
-    assert lengths == list(model_mod.PREFILL_SIZES[:len(lengths)]) and all(r > 0 for _, r in m.prefill_times)
+    assert lengths == list(autotune.PREFILL_SIZES[:len(lengths)]) and all(r > 0 for _, r in m.prefill_times)
     assert "ffn: prompt time of the kernel's batch call against the dense graphs (2: " in capfd.readouterr().err
     ref = Model(silu_file, _opts(sparsity="down:0.3", kernels="on"))
     m.prefill_through_kernel(4)

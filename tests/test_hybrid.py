@@ -289,7 +289,7 @@ def test_fp16_graphs_agree_with_fp32(silu_file, sparsity, kernels):
     ids = list(range(5, 45))
     a, b = (Model(silu_file, RuntimeOptions(sparsity=sparsity, kernels=kernels, threads=1, device="cpu",
                                              dense_device=dd)) for dd in ("cpu", "cpu-fp16"))
-    assert b.act_dtype == np.float16 and b.kv[0][0].read().dtype == np.float16
+    assert b.act_dtype == np.float16 and b.attention.kv[0][0].read().dtype == np.float16
     want, got = a.forward(ids, logits_from=0), b.forward(ids, logits_from=0)
     step_a, step_b = (np.stack([m.forward([t]) for t in ids[:12]]) for m in (a, b))
     spread = np.abs(want).max()

@@ -65,7 +65,7 @@ def test_boundary_checks():
 def test_matmul_down_matches_numpy_within_int8_activations(fmt, S):
     """The runtime's MatMulNBits down projection, rebuilt from down_t: the same product, with h
     quantized to int8 per block of 32 (one step is 1/127 of the block's largest |h|)."""
-    from pinfer.runtime.model import MatMulDown
+    from pinfer.runtime.ort import MatMulDown
     n, d = 96, 160
     f, parts, W = down_weights(fmt, n, d)
     h = RNG.standard_normal((S, n)).astype(np.float32)
@@ -79,7 +79,7 @@ def test_matmul_down_matches_numpy_within_int8_activations(fmt, S):
 
 
 def test_matmul_down_refuses_formats_without_groups_along_n():
-    from pinfer.runtime.model import MatMulDown
+    from pinfer.runtime.ort import MatMulDown
     f, parts, _ = down_weights("q8", 64, 96)
     with pytest.raises(ValueError, match="not a transposed"):
         MatMulDown(f, parts, 1, 64, 96)

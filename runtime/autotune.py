@@ -1,0 +1,153 @@
+"""--ffn-kernel auto: at load, time each sparse rule's layers three ways (the fused kernel under the
+rule, the kernel over every neuron, ONNX Runtime's dense graph) and keep the rule only where it is
+clearly faster; then time prompts through the kernel's batch call against the dense graphs."""
+
+import sys
+import time
+
+import numpy as np
+
+from .sparse import Counters, LayerRule, Rule
+
+# --ffn-kernel auto: the kernel stays for a rule's layers when it takes under KEEP_BELOW of the dense
+# path's time, measured over up to TIMING_TOKENS decode steps (the first TIMING_WARMUP not counted,
+# stopping after TIMING_BUDGET_S once 3 are counted); prompts are then timed at PREFILL_SIZES.
+KEEP_BELOW = 0.95
+TIMING_TOKENS, TIMING_WARMUP, TIMING_BUDGET_S = 10, 2, 1.0
+PREFILL_BUDGET_S = 0.5      # the prompt timing stops at the first size past this much time
+PREFILL_SIZES = (2, 4, 8, 16, 32, 64)       # 64: kernels.MAX_BATCH, the most tokens of one batch call
+TIMING_TEXT = ("The history of the city begins in the early middle ages , when a small market grew around the "
+               "river crossing . Its people traded wool , grain and salt , and by the year 1200 the town had a "
+               "church , a bridge and a wall")
+
+
+def choose_path(rule_r, dense_r, keep_below=None):
+    """"kernel", "kernel-dense" or "dense" from the times of the kernel under the rule and in its
+    dense mode, as ratios to ONNX Runtime's dense path: the exact ways unless the rule is clearly
+    (keep_below, default KEEP_BELOW) faster than the faster of them; the kernel's dense mode only
+    where it is clearly faster than ONNX Runtime's."""
+    keep_below = KEEP_BELOW if keep_below is None else keep_below
+    if rule_r < keep_below * min(1.0, dense_r):
+        return "kernel"
+    return "kernel-dense" if dense_r < keep_below else "dense"
+
+
+def timing_tokens(spec, vocab, n):
+    """n token ids of ordinary English for timing the FFN paths: TIMING_TEXT's words looked up in
+    the vocabulary as whole tokens (GPT-2 or SentencePiece spelling), without the cost of building
+    the tokenizer; ids spread over the vocabulary where the vocabulary has no such words."""
+    index = {t: i for i, t in enumerate(spec.get("tokens") or [])}
+    ids = []
+    for k, word in enumerate(TIMING_TEXT.split()):
+        for spelling in ((word,) if k == 0 else ()) + ("\u0120" + word, "\u2581" + word, word):
+            if spelling in index:
+                ids.append(index[spelling])
+                break
+    if len(ids) < n:
+        ids += [int(i) for i in np.linspace(vocab // 4, vocab - 1, n - len(ids))]
+    return ids[:n]
+
+
+
+def choose_paths(model):
+    """Decode a few tokens with every sparse layer run three ways: the fused kernel under its
+    rule ("kernel"), the same kernel over every neuron ("kernel-dense") and the layer graph with
+    MatMulNBits ("dense"). A rule's layers keep the kernel and the rule only where their summed
+    time is under KEEP_BELOW of the faster exact way (median over tokens); otherwise they run
+    the faster exact way, rule dropped, the kernel's dense mode only where it is under
+    KEEP_BELOW of the graph's. Each choice is printed and kept in path_choices; where a kernel
+    stays, prompts of up to prefill_by_token tokens take its batch call (_choose_prefill)."""
+    cfg = model.cfg
+    groups = {}
+    for i, f in enumerate(model.ffns):
+        if f is not None:
+            groups.setdefault(model.rules[i].rule.name, []).append(i)
+    dense = [LayerRule(model.reader, model.reader.header, i, Rule("dense"), Counters()) for i in range(cfg.n_layer)]
+    model.bind_activations(1)
+    steps = [(model.layer_steps(i, True), model.layer_steps(i, True, entry=(model.ffns[i][0], "dense", 0.0, 0.0)),
+              model.layer_steps(i, False, rule=dense[i])) if model.ffns[i]
+             else (model.layer_steps(i, False),) for i in range(cfg.n_layer)]
+    ids = timing_tokens(model.tokenizer_spec, model.cfg.vocab, TIMING_TOKENS)
+    spent = {name: [] for name in groups}      # per token: seconds of each way over the rule's layers
+    t_start = time.perf_counter()
+    for t, tok in enumerate(ids):
+        model.start(np.asarray([tok]), 1)
+        acc = {name: [0.0, 0.0, 0.0] for name in groups}
+        for i in range(cfg.n_layer):
+            if len(steps[i]) == 1:
+                for step in steps[i][0]:
+                    step()
+                continue
+            saved = model.delta.np.copy()     # every way reads the previous layer's FFN output
+            for k, way in enumerate(np.roll((0, 1, 2), t + i)):
+                if k:
+                    model.delta.np[...] = saved
+                t0 = time.perf_counter()
+                for step in steps[i][way]:
+                    step()
+                acc[model.rules[i].rule.name][way] += time.perf_counter() - t0
+        model.n_past += 1
+        if t >= TIMING_WARMUP:
+            for name, times in acc.items():
+                spent[name].append(times)
+            if time.perf_counter() - t_start > TIMING_BUDGET_S and t - TIMING_WARMUP >= 2:
+                break
+    model.reset()
+    model.counters.reset()
+    for name, layers in groups.items():
+        times = np.asarray(spent[name])
+        rule_r, dense_r = (float(np.median(times[:, k] / times[:, 2])) for k in (0, 1))
+        path = choose_path(rule_r, dense_r)
+        model.path_choices.append({"rule": name, "layers": len(layers), "tokens": len(times), "path": path,
+                                  "kernel_over_dense": rule_r, "kernel_dense_over_dense": dense_r})
+        if path != "kernel":
+            for i in layers:
+                model.rules[i] = LayerRule(model.reader, model.reader.header, i, Rule("dense"), model.counters)
+                model.ffns[i] = (model.ffns[i][0], "dense", 0.0, 0.0) if path == "kernel-dense" else None
+        does = {"kernel": f"decoding through the kernel under {name}",
+                "kernel-dense": "running these layers dense through the kernel (rule dropped)",
+                "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[path]
+        print(f"ffn: {name} on {len(layers)} layers, time against ONNX Runtime's dense path here ({model.threads} "
+              f"thread{'s' * (model.threads > 1)}, median of {len(times)} tokens): fused kernel {rule_r:.2f}x, "
+              f"its dense mode {dense_r:.2f}x: {does}", file=sys.stderr)
+    model.unbind()
+    if any(model.ffns):
+        choose_prefill(model)
+    elif not model.on_device:
+        model.attn = None        # the attention-only sessions go unused
+
+def choose_prefill(model):
+    """prefill_by_token: the largest prompt length (of PREFILL_SIZES) up to which the kernel's
+    batch call over the union of the tokens' candidates beats the dense graphs' batched prompt
+    processing, both timed here (best of two); prompts up to it take the batch call. As the
+    union grows with the prompt and the dense graphs' cost per token falls, the first length
+    where the kernel loses ends the search, as does PREFILL_BUDGET_S."""
+    ids = timing_tokens(model.tokenizer_spec, model.cfg.vocab, PREFILL_SIZES[-1])
+    chosen, times, t_start = 0, [], time.perf_counter()
+    for n in PREFILL_SIZES:
+        if n > model.n_ctx or time.perf_counter() - t_start > PREFILL_BUDGET_S:
+            break
+        best = []
+        for by_kernel in (n, 0):
+            model.prefill_by_token = by_kernel
+            model.unbind()
+            t = np.inf
+            for _ in range(2):
+                model.reset()
+                t0 = time.perf_counter()
+                model.forward(list(ids[:n]))
+                t = min(t, time.perf_counter() - t0)
+            best.append(t)
+        times.append((n, best[0] / best[1]))
+        if best[0] >= best[1]:
+            break
+        chosen = n
+    model.prefill_by_token = chosen
+    model.unbind()
+    model.prefill_times = times
+    model.reset()
+    model.counters.reset()
+    said = ", ".join(f"{n}: {r:.2f}x" for n, r in times)
+    print(f"ffn: prompt time of the kernel's batch call against the dense graphs ({said}): "
+          + (f"prompts of up to {chosen} tokens go through the kernel, longer ones through the dense graphs"
+             if chosen else "prompts go through the dense graphs"), file=sys.stderr)

@@ -1,0 +1,53 @@
+"""The attention state every layer session shares: the KV cache (a buffer per layer and per K/V,
+bound as both past and present: GroupQueryAttention writes in place), the RoPE tables and the
+lengths, in host memory or in the device memory the dense part runs in."""
+
+import numpy as np
+
+from .ort import Buf
+
+
+def rope_tables(cfg, n_ctx, freq_divisors=None):
+    """cos/sin caches (n_ctx, rotary_dim/2) for positions 0..n_ctx-1."""
+    half = cfg.rotary_dim // 2
+    inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2 / cfg.rotary_dim)
+    if freq_divisors is not None:
+        inv = inv / np.asarray(freq_divisors, np.float64)
+    pos = np.arange(n_ctx, dtype=np.float64) / cfg.rope_linear_scale
+    ang = np.outer(pos, inv)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+
+class AttentionState:
+    def __init__(self, cfg, n_ctx, dtype, device, freq_divisors=None):
+        kv_shape = (1, cfg.n_head_kv, n_ctx, cfg.head_dim)
+        self.kv = [(Buf(kv_shape, dtype, device), Buf(kv_shape, dtype, device)) for _ in range(cfg.n_layer)]
+        tables = rope_tables(cfg, n_ctx, freq_divisors)
+        self.cos, self.sin = (Buf(t.shape, dtype, device) for t in tables)
+        for buf, table in zip((self.cos, self.sin), tables):
+            buf.write(table)
+        # GroupQueryAttention's lengths: seqlens_k (total length - 1) is read on the device, so it
+        # lives there, written once per call for every layer (a host array would be copied to the
+        # GPU once, when bound, and keep its first value); total_sequence_length is read on the host.
+        self.seqlens = Buf((1,), np.int32, device)
+        self.total = np.zeros((), np.int32)      # total length after this call
+
+    @property
+    def kv_bytes(self):
+        return sum(2 * int(np.prod(k.shape)) * k.dtype.itemsize for k, _ in self.kv)    # K and V
+
+    def bind(self, sessions):
+        """Bind the KV cache, lengths and RoPE tables to layer sessions (Bound), layer i to sessions[i]."""
+        for i, layer in enumerate(sessions):
+            k, v = self.kv[i]
+            for name, a in (("past_key", k), ("past_value", v), ("seqlens_k", self.seqlens),
+                            ("total_len", self.total), ("cos_cache", self.cos), ("sin_cache", self.sin)):
+                layer.bind_in(name, a)
+            layer.bind_out("present_key", k)
+            layer.bind_out("present_value", v)
+
+    def set_lengths(self, n_past, n):
+        """The lengths of a call over n tokens after n_past cached ones."""
+        self.seqlens.write(np.int32(n_past + n - 1))
+        self.total[()] = n_past + n

@@ -1,0 +1,33 @@
+"""How a model runs: one frozen record of the runtime's choices, given once at load."""
+
+from dataclasses import dataclass
+
+DEFAULT_CTX = 4096
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    n_ctx: int = 0          # 0: the model's training context, capped at DEFAULT_CTX
+    threads: int = 0        # 0: all cores
+    verbose: bool = False
+    sparsity: str = ""      # "": each layer's mode from the file; else dense | down:S | predicted:R | relu:R
+    # How sparse layers decode: "on" through pinfer's fused FFN kernel (rows the rule skips are not
+    # read), "off" through the ONNX graph + the NumPy rule (every row read: the reference path), or
+    # "auto": time both the kernel and the dense path at load and run each rule's layers through
+    # the kernel only where it is faster on this machine, dense elsewhere (on SmolLM2 the kernel
+    # is slower; at LLaMA-7B's shape with 10% active it is 1.9x faster). True/False mean on/off.
+    kernels: str | bool = "auto"
+    # Where the FFN's hot neurons run: "gpu" (hybrid: hot on the GPU, cold on the CPU), "cpu", or
+    # "auto" (the GPU where cuda-python finds one). "cpu-split" plans a split like "gpu" but runs
+    # the hot half on a second CPU kernel: it checks the split and the merge without a GPU.
+    device: str = "auto"
+    vram_budget: float | None = None   # GiB for the GPU part; None: free VRAM minus a margin
+    deterministic: bool = False        # the GPU's down projection in a fixed order (tests)
+    # Where the dense part (attention, norms, head) runs: "cpu" (the default until the GPU path has
+    # produced right output on a GPU since its fix), "auto" (ONNX Runtime's CUDA provider in FP16
+    # when the FFN runs on a GPU and onnxruntime-gpu is installed, else its CPU provider), "gpu", "cpu-fp16" (the FP16 graphs on the CPU provider: tests the conversion), or
+    # "emulated-gpu": the GPU's code path (device buffers reached only through copies, host inputs
+    # copied when bound, memory not zeroed at allocation) over the FP16 graphs on the CPU provider:
+    # CI's check of the device plumbing (see DeviceEmulation).
+    dense_device: str = "cpu"
+
