@@ -41,7 +41,7 @@ import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
 from pinfer import kernels
 from pinfer.converter.convert import ConvertOptions, convert
 from pinfer.converter.passes import DENSE
-from pinfer.runtime import bench
+from pinfer.runtime import accounting
 from pinfer.runtime.model import Model, RuntimeOptions
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
@@ -92,7 +92,7 @@ def measure(pinf, gguf, threads, a):
                      lambda: theirs.append(llama.decode(a.tokens))]
             for side in sides[::-1] if r % 2 else sides:
                 side()
-        return ours, theirs, bench.weight_bytes_per_token(model.reader, model.cfg) / 1e6
+        return ours, theirs, accounting.weight_bytes_per_token(model.reader, model.cfg) / 1e6
     finally:
         llama.close()
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pinfer.formats import PinfReader
-from pinfer.runtime.bench import weight_bytes_per_token
+from pinfer.runtime.accounting import weight_bytes_per_token
 from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.perplexity import perplexity
 from pinfer.runtime.tokenizer import Tokenizer

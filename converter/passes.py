@@ -64,22 +64,20 @@ def parse_sparsity(text, cfg):
     from .calibrate import Point
     if text in ("auto", "none"):
         return None if text == "auto" else "none"
-    mode, _, value = text.partition(":")
     defaults = {"dense": 0.0, "down": 0.3, "predicted": 0.99, "relu": 0.99}
-    if mode not in defaults:
-        raise ValueError(f"--sparsity {text!r} is not none, auto, or one of {', '.join(defaults)} "
+    if text.partition(":")[0] not in S.SPARSITY_MODES:
+        raise ValueError(f"--sparsity {text!r} is not none, auto, or one of {', '.join(S.SPARSITY_MODES)} "
                          "with an optional :VALUE (e.g. down:0.3)")
+    try:
+        mode, value = S.parse_mode(text)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
     if mode == "relu" and not cfg.exact_sparse:
         raise ValueError(f"--sparsity relu needs a ReLU-family model; this one uses {cfg.ffn_act}: "
                          "use down or predicted")
     if mode in ("down", "predicted") and cfg.exact_sparse:
         raise ValueError("this is a ReLU-family model: use --sparsity relu[:RECALL] (exact), or dense")
-    try:
-        v = float(value) if value else defaults[mode]
-    except ValueError:
-        raise ValueError(f"--sparsity {text!r}: {value!r} is not a number") from None
-    if mode != "dense" and not 0 < v < 1:
-        raise ValueError(f"--sparsity {text!r}: the value must lie strictly between 0 and 1")
+    v = defaults[mode] if value is None else value
     from .calibrate import SPARSITY_GRID
     from .predictor import RECALL_TARGETS
     allowed = SPARSITY_GRID if mode == "down" else RECALL_TARGETS

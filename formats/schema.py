@@ -112,6 +112,25 @@ GRAPH = "graph.{}"                          # serialized onnx.ModelProto, u8 (nb
 #   relu       candidates as predicted; among them h != 0 (exact for ReLU-family models)
 SPARSITY_MODES = ("dense", "down", "predicted", "relu")
 
+
+def parse_mode(text):
+    """(mode, value or None) from "MODE" or "MODE:VALUE": the one grammar of a sparsity mode, for
+    the converter's --sparsity (which also checks the value against what it calibrates) and the
+    runtime's. Raises ValueError with a sentence."""
+    mode, colon, value = str(text).partition(":")
+    if mode not in SPARSITY_MODES:
+        raise ValueError(f"sparsity {text!r} is not one of {', '.join(SPARSITY_MODES)} "
+                         "(with an optional :VALUE, e.g. down:0.3)")
+    if not colon:
+        return mode, None
+    try:
+        v = float(value)
+    except ValueError:
+        raise ValueError(f"sparsity {text!r}: {value!r} is not a number") from None
+    if mode != "dense" and not 0 < v < 1:
+        raise ValueError(f"sparsity {text!r}: the value must lie strictly between 0 and 1")
+    return mode, v
+
 # Graph names: one per layer plus the head.
 LAYER_GRAPH = "layer.{}"
 HEAD_GRAPH = "head"

@@ -38,7 +38,18 @@ def _load():
     return lib
 
 
-_lib = _load()
+class _Library:
+    """The C library, loaded on first use: importing pinfer.kernels (as planning and the GPU
+    code do) needs neither the compiled extension nor libgomp."""
+
+    def __getattr__(self, name):
+        lib = _load()
+        for fn in ("pinfer_down", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa"):
+            setattr(self, fn, getattr(lib, fn))
+        return getattr(lib, name)
+
+
+_lib = _Library()
 MAX_D = 65536   # d_model the sparse FFN's stack buffers hold (ffn_sparse.c)
 MAX_BATCH = 64  # tokens of one batch call (ffn_sparse.c: a neuron's tokens are one 64-bit mask)
 

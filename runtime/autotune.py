@@ -64,7 +64,7 @@ def choose_paths(model):
             groups.setdefault(model.rules[i].rule.name, []).append(i)
     dense = [LayerRule(model.reader, model.reader.header, i, Rule("dense"), Counters()) for i in range(cfg.n_layer)]
     model.bind_activations(1)
-    steps = [(model.layer_steps(i, True), model.layer_steps(i, True, entry=(model.ffns[i][0], "dense", 0.0, 0.0)),
+    steps = [(model.layer_steps(i, True), model.layer_steps(i, True, entry=model.ffns[i].dense()),
               model.layer_steps(i, False, rule=dense[i])) if model.ffns[i]
              else (model.layer_steps(i, False),) for i in range(cfg.n_layer)]
     ids = timing_tokens(model.tokenizer_spec, model.cfg.vocab, TIMING_TOKENS)
@@ -103,7 +103,7 @@ def choose_paths(model):
         if path != "kernel":
             for i in layers:
                 model.rules[i] = LayerRule(model.reader, model.reader.header, i, Rule("dense"), model.counters)
-                model.ffns[i] = (model.ffns[i][0], "dense", 0.0, 0.0) if path == "kernel-dense" else None
+                model.ffns[i] = model.ffns[i].dense() if path == "kernel-dense" else None
         does = {"kernel": f"decoding through the kernel under {name}",
                 "kernel-dense": "running these layers dense through the kernel (rule dropped)",
                 "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[path]

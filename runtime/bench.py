@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pinfer.formats import schema as S
 
+from .accounting import weight_bytes_per_token
 from .model import Model, RuntimeOptions
 
 
@@ -20,30 +20,6 @@ class BenchResult:
     tps_sd: float
     samples: tuple
     bytes_per_token: int  # weight bytes one decode step reads (tg); all weights once per call (pp)
-
-
-_GATE_UP = (S.FFN_GATE_UP, S.FFN_GATE_UP_COLD)
-_DOWN = (S.FFN_DOWN_T, S.FFN_DOWN_T_COLD)
-_PREDICTOR = (S.FFN_PRED_W1, S.FFN_PRED_W2, S.FFN_PRED_B2)
-
-
-def weight_bytes_per_token(reader, cfg, shares=(1.0, 1.0), predictor_layers=()):
-    """Bytes of weights one decode step reads: every layer's and the head's, one embedding row
-    (the table when it is also the LM head); of the FFN rows, the shares (gate/up, down) read; the
-    predictors of `predictor_layers` only."""
-    kind = {}
-    for i in range(cfg.n_layer):
-        for names, k in ((_GATE_UP, 0), (_DOWN, 1), (_PREDICTOR, 2 if i in predictor_layers else 3)):
-            kind.update({t.format(i): k for t in names})
-    total = 0.0
-    for n, e in reader.tensors.items():
-        if n.startswith("blk."):
-            k = kind.get(n if n in kind else n.rsplit(".", 1)[0])
-            total += e["nbytes"] * (shares[k] if k in (0, 1) else 0.0 if k == 3 else 1.0)
-        elif n == S.OUTPUT_NORM or n.startswith(S.OUTPUT + "."):
-            total += e["nbytes"]
-    embd = sum(e["nbytes"] for n, e in reader.tensors.items() if n.startswith(S.TOKEN_EMBD + "."))
-    return total + (embd if cfg.tied_embeddings else embd // cfg.vocab)
 
 
 def run_bench(path, tests, threads, repetitions=5, seed=0):

@@ -21,11 +21,11 @@ from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig
 from pinfer.kernels import DownProjection
 
-from . import autotune, hybrid, placement
+from . import accounting, autotune, hybrid, placement
 from .options import DEFAULT_CTX, RuntimeOptions
 from .kv import AttentionState
 from .ort import Bound, Buf, DeviceEmulation, MatMulDown, SplitDown, drop_output, session_options
-from .sparse import Counters, LayerRule, Rule
+from .sparse import Counters, LayerFfn, LayerRule, Rule
 
 
 class Model:
@@ -117,7 +117,7 @@ class Model:
         self._release_gpu()
         if self.device != "cpu":
             self.plan = self._plan(["given"] * cfg.n_layer, hotness)
-        self.ffns = [(self._layer_ffn(i, "given"), "given", 0.0, 0.0) for i in range(cfg.n_layer)]
+        self.ffns = [LayerFfn(self._layer_ffn(i, "given"), "given") for i in range(cfg.n_layer)]
         if self.device != "cpu":
             self._report_vram()
         self.draw = draw
@@ -142,7 +142,7 @@ class Model:
             return None
         thr = float(rule.threshold) if rule.threshold is not None else 0.0
         pthr = float(rule.pred[3]) if rule.pred is not None else 0.0
-        return ffn, rule.rule.mode, thr, pthr
+        return LayerFfn(ffn, rule.rule.mode, thr, pthr)
 
     def _layer_ffn(self, i, mode):
         """Layer i's fused FFN for `mode`: the CPU kernel, or the hybrid of the plan's hot neurons
@@ -244,7 +244,7 @@ class Model:
 
     def _release_gpu(self):
         for entry in self.ffns or []:
-            hot = getattr(entry[0], "hot", None) if entry else None
+            hot = getattr(entry.kernel, "hot", None) if entry else None
             if hasattr(hot, "close"):
                 hot.close()
 
@@ -258,8 +258,7 @@ class Model:
     def weight_bytes_per_token(self):
         """Weight bytes a step reads, from the rows read since the last counters.reset() (all rows
         before any call): on the NumPy-rule path every FFN row, with the fused kernel the rows it keeps."""
-        from .bench import weight_bytes_per_token
-        return weight_bytes_per_token(self.reader, self.cfg, self.counters.read_fractions(),
+        return accounting.weight_bytes_per_token(self.reader, self.cfg, self.counters.read_fractions(),
                                       {i for i, r in enumerate(self.rules) if r.rule.mode in ("predicted", "relu")})
 
     @property
@@ -358,7 +357,7 @@ class Model:
         """Whether a prompt of n tokens runs through the kernel's batch call (prefill_by_token,
         set by autotune.choose_prefill; the CPU's kernels only)."""
         return 1 < n <= self.prefill_by_token and not self.on_device and \
-            all(f is None or hasattr(f[0], "bind_batch") for f in self.ffns)
+            all(f is None or hasattr(f.kernel, "bind_batch") for f in self.ffns)
 
     def layer_steps(self, i, kernel, on_gpu=False, rule=None, entry=None, n=1):
         """Layer i's steps over the bound buffers: the attention-only session and the fused FFN
@@ -378,11 +377,13 @@ class Model:
                 self.downs[i].bind(self.h[0], self.delta.np[0])]
 
     def _kernel_step(self, i, on_gpu=False, entry=None):
-        ffn, mode, thr, pthr = entry or self.ffns[i]
+        entry = entry or self.ffns[i]
+        ffn, mode = entry.kernel, entry.mode
         if on_gpu:
-            run = hybrid.bind_device(self.copier, ffn, self.x.ptr, self.delta.ptr, mode, thr, pthr)
+            run = hybrid.bind_device(self.copier, ffn, self.x.ptr, self.delta.ptr, mode, entry.threshold,
+                                     entry.pred_threshold)
         else:
-            run = ffn.bind(self.x.np[0, 0], self.delta.np[0, 0], mode, thr, pthr)
+            run = entry.bind(self.x.np[0, 0], self.delta.np[0, 0])
         c, n_ff = self.counters, self.cfg.n_ff
         given = ffn.set_candidates if mode == "given" else None
         draw = self.draw if given else None
@@ -398,8 +399,9 @@ class Model:
     def _batch_step(self, i, n):
         """Layer i's FFN over the n tokens of a prompt in one call of the kernel: each token gets
         the bits of its own decode call, the weight rows read once for all of them."""
-        ffn, mode, thr, pthr = self.ffns[i]
-        run = ffn.bind_batch(self.x.np[0], self.delta.np[0], mode, thr, pthr)
+        entry = self.ffns[i]
+        ffn, mode = entry.kernel, entry.mode
+        run = ffn.bind_batch(self.x.np[0], self.delta.np[0], mode, entry.threshold, entry.pred_threshold)
         c, n_ff, draw = self.counters, self.cfg.n_ff, self.draw if mode == "given" else None
         rows_from = _rows_from(ffn, n_ff)
 

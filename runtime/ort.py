@@ -8,6 +8,7 @@ import onnxruntime as ort
 
 from pinfer.formats import blocks
 from pinfer.formats import schema as S
+from pinfer.formats.onnx_graph import F32, GraphBuilder
 
 
 _shared_arena = False
@@ -47,7 +48,6 @@ class MatMulDown:
     FORMATS = ("q4r", "q8r")
 
     def __init__(self, fmt, parts, threads, n_ff, d):
-        from pinfer.converter.graphs import F32, GraphBuilder
         plain, w = blocks.from_transposed_r(fmt, parts)     # W_down (d, n_ff)
         self.rows = (plain, w)     # the fused kernel's row dots read the same arrays
         self.arrays = {S.part_name("w", p): a for p, a in w.items()}

@@ -8,7 +8,7 @@ NumPy reference implementation: it makes every mode measurable (perplexity, rows
 real runtime; the fused C kernels of pinfer.kernels replace it where they exist.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,14 +27,27 @@ class Rule:
 
     @classmethod
     def parse(cls, text):
-        mode, _, value = text.partition(":")
-        if mode not in S.SPARSITY_MODES:
-            raise ValueError(f"sparsity {text!r} is not one of {', '.join(S.SPARSITY_MODES)} "
-                             "(with :VALUE, e.g. down:0.3)")
-        try:
-            return cls(mode, float(value) if value else 0.0)
-        except ValueError:
-            raise ValueError(f"sparsity {text!r}: {value!r} is not a number") from None
+        mode, value = S.parse_mode(text)
+        return cls(mode, value or 0.0)
+
+
+@dataclass(frozen=True)
+class LayerFfn:
+    """A layer's FFN run by pinfer's fused kernel: the kernel (kernels.SparseFFN, or a
+    hybrid.HybridFFN split between devices) and the rule it applies. mode: dense, down,
+    predicted, relu or given (active sets handed in); threshold: |h| under it is dropped (down,
+    and predicted's down rule); pred_threshold: the predictor's score cut (predicted, relu)."""
+    kernel: object
+    mode: str
+    threshold: float = 0.0
+    pred_threshold: float = 0.0
+
+    def dense(self):
+        """The same kernel over every neuron."""
+        return replace(self, mode="dense", threshold=0.0, pred_threshold=0.0)
+
+    def bind(self, x, y):
+        return self.kernel.bind(x, y, self.mode, self.threshold, self.pred_threshold)
 
 
 class Counters:

@@ -50,7 +50,7 @@ def test_auto_runs_what_it_reports(silu_file, sparsity, capfd):
         assert not any(m.ffns)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), choice
     else:                                         # the kernel's int8 activations against MatMulNBits'
-        assert all(f[1] == "dense" for f in m.ffns)
+        assert all(f.mode == "dense" for f in m.ffns)
         assert np.abs(got - want).max() < 0.05 * np.abs(want).max(), choice
         assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 

@@ -1,0 +1,98 @@
+"""How the `.pinf`'s weights become ONNX operators: a small graph builder whose initializers are
+placeholders for tensors of the file (external data at schema.EXTERNAL_LOCATION, bound by the
+runtime to views of the memory map), and `linear`, the one translation of a block-format weight
+into ONNX Runtime ops. The converter's back end builds every layer graph with it; the runtime
+builds its MatMulNBits down projection with it. Formats:
+  q4  -> MatMulNBits(bits=4) (default zero point 8), plus sum_blocks(x) @ (min + 8*scale)^T when
+         the weight has a min (GGUF Q4_1); the extra term is exact and reads K/32 values per row;
+  q8  -> MatMulNBits(bits=8) (default zero point 128: .pinf stores q8 offset by 128);
+  f16/f32 -> MatMul with the transposed weight (f16 cast to f32; both folded at session load).
+"""
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from . import schema as S
+
+OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+IR_VERSION = 10  # onnxruntime 1.2x/1.3x accept up to 10-13; onnx 1.23 writes 14 by default
+F32 = TensorProto.FLOAT
+ACCURACY_LEVEL = 4  # MatMulNBits quantizes activations to int8 per block, as llama.cpp does
+
+_ONNX_DTYPE = {"u8": TensorProto.UINT8, "i8": TensorProto.INT8, "f16": TensorProto.FLOAT16,
+               "f32": TensorProto.FLOAT, "i32": TensorProto.INT32}
+
+
+class GraphBuilder:
+    def __init__(self, name, directory):
+        self.name = name
+        self.directory = directory   # tensor name -> {"dtype", "shape", ...} of the .pinf
+        self.nodes, self.inits, self.inputs, self.outputs = [], [], [], []
+        self._bound = set()
+        self._n = 0
+
+    def tmp(self, hint):
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def node(self, op, inputs, n_out=1, domain="", **attrs):
+        outs = [self.tmp(op.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op, inputs, outs, domain=domain, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def weight(self, name):
+        """A placeholder initializer for the .pinf tensor `name`."""
+        if name not in self._bound:
+            e = self.directory[name]
+            t = TensorProto(name=name, data_type=_ONNX_DTYPE[e["dtype"]], dims=e["shape"])
+            t.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", S.EXTERNAL_LOCATION), ("offset", "0"), ("length", str(e["nbytes"]))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            self.inits.append(t)
+            self._bound.add(name)
+        return name
+
+    def const(self, array, hint="c"):
+        name = self.tmp(hint)
+        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def input(self, name, elem, shape):
+        self.inputs.append(helper.make_tensor_value_info(name, elem, shape))
+        return name
+
+    def output(self, value, name, elem, shape):
+        self.nodes.append(helper.make_node("Identity", [value], [name]))
+        self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+
+    def f32(self, name):
+        e = self.directory[name]
+        return self.weight(name) if e["dtype"] == "f32" else self.node("Cast", [self.weight(name)], to=F32)
+
+    def linear(self, x, base, fmt, rows, k):
+        """x (1, S, k) @ W^T for the block-format weight `base` of shape (rows, k) -> (1, S, rows)."""
+        part = lambda p: S.part_name(base, p)  # noqa: E731
+        if fmt in ("f16", "f32"):
+            w = self.node("Reshape", [self.f32(part("w")), self.const(np.array([rows, k]))])
+            return self.node("MatMul", [x, self.node("Transpose", [w], perm=[1, 0])])
+        bits = {"q4": 4, "q8": 8}[fmt]
+        nb = k // S.GROUP
+        q = self.node("Reshape", [self.weight(part("q")), self.const(np.array([rows, nb, S.GROUP * bits // 8]))])
+        scale = self.node("Reshape", [self.f32(part("scale")), self.const(np.array([rows, nb]))])
+        y = self.node("MatMulNBits", [x, q, scale], domain="com.microsoft",
+                      K=k, N=rows, bits=bits, block_size=S.GROUP, accuracy_level=ACCURACY_LEVEL)
+        if fmt == "q4" and part("min") in self.directory:
+            # value = scale*q + min = scale*(q - 8) + (min + 8*scale)
+            mins = self.node("Reshape", [self.f32(part("min")), self.const(np.array([rows, nb]))])
+            offset = self.node("Add", [mins, self.node("Mul", [scale, self.const(np.float32(8))])])
+            sums = self.node("ReduceSum", [self.node("Reshape", [x, self.const(np.array([1, -1, nb, S.GROUP]))]),
+                                           self.const(np.array([-1]))], keepdims=0)
+            y = self.node("Add", [y, self.node("MatMul", [sums, self.node("Transpose", [offset], perm=[1, 0])])])
+        return y
+
+    def build(self):
+        g = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.inits)
+        m = helper.make_model(g, opset_imports=OPSETS, producer_name="pinfer")
+        m.ir_version = IR_VERSION
+        return m

@@ -1,0 +1,80 @@
+"""The package structure: every module imports on its own, and the packages import in one
+direction only, formats <- kernels <- runtime <- converter <- cli (the converter may run the
+runtime to verify its output; the runtime never imports the converter)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ("formats", "kernels", "runtime", "converter", "cli")     # each may import those before it
+
+
+def _modules():
+    """{module name: file} of every pinfer module under the packages' folders."""
+    out = {}
+    for pkg in ORDER:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            rel = f.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out["pinfer." + ".".join(parts)] = f
+    return out
+
+
+def _imported_packages(name, path):
+    """The pinfer packages module `name` imports, anywhere in it (lazy imports count too)."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[:len(name.split(".")) - node.level + is_pkg]
+                targets = [".".join(base + ([node.module] if node.module else []))]
+            else:
+                targets = [node.module or ""]
+        else:
+            continue
+        for t in targets:
+            parts = t.split(".")
+            if parts[0] == "pinfer" and len(parts) > 1 and parts[1] in ORDER:
+                found.add(parts[1])
+    return found
+
+
+def test_packages_import_in_one_direction():
+    wrong = []
+    for name, path in _modules().items():
+        own = name.split(".")[1]
+        for pkg in _imported_packages(name, path):
+            if ORDER.index(pkg) > ORDER.index(own):
+                wrong.append(f"{path.relative_to(ROOT)} imports pinfer.{pkg}")
+    assert not wrong, "imports against formats <- kernels <- runtime <- converter <- cli: " + "; ".join(wrong)
+
+
+def test_the_direction_check_sees_a_cycle(tmp_path):
+    """The check above can fail: a runtime module importing the converter, relatively or not."""
+    f = tmp_path / "x.py"
+    for code in ("from pinfer.converter.graphs import F32\n", "def f():\n    from ..converter import passes\n"):
+        f.write_text(code)
+        assert _imported_packages("pinfer.runtime.x", f) == {"converter"}
+
+
+def test_every_module_imports_on_its_own():
+    """Each module in a process where no other pinfer module was imported first, so that a
+    module leaning on another's import side effects fails here."""
+    names = sorted(_modules())
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    for m in [m for m in sys.modules if m.startswith('pinfer')]:\n"
+            "        del sys.modules[m]\n"
+            "    importlib.import_module(name)\n"
+            f"print(len({names!r}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.strip()) == len(names) > 40
