@@ -64,7 +64,7 @@ def main(argv=None):
         mass = placement.activation_mass(m.reader, cfg, modes)
     else:
         mass = np.tile(power_law(n_ff, a.active, a.alpha), (cfg.n_layer, 1))
-    reserved = sum(m._dense_reserved().values())
+    reserved = sum(m.devices.reserved().values())
     rng = np.random.default_rng(0)
     rows = []
     for share in [0.0] + [float(s) for s in a.shares.split(",")] + [1.0]:
@@ -83,8 +83,8 @@ def main(argv=None):
     base = rows[0][-1]
     what = (f"{pinf.name}, its own modes" if a.model else
             f"{a.shape}-shaped, {a.layers} layers, Q4_0; {a.active:.0%} active, power-law alpha {a.alpha}")
-    print(f"\n{what}; {a.threads} CPU threads; hot part on {m.gpu.name if m.gpu else a.device}; dense part on "
-          f"{m.dense_device}; {a.tokens} tokens x {a.repeats} repeats (median)\n")
+    print(f"\n{what}; {a.threads} CPU threads; hot part on {m.devices.gpu.name if m.devices.gpu else a.device}; dense part on "
+          f"{m.devices.dense}; {a.tokens} tokens x {a.repeats} repeats (median)\n")
     print("| FFN share asked | hot neurons | activation mass on GPU | VRAM planned | tok/s | vs CPU only |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for share, hot, on_gpu, mib, tok_s in rows:

@@ -64,9 +64,9 @@ def choose_paths(model):
             groups.setdefault(model.rules[i].rule.name, []).append(i)
     dense = [LayerRule(model.reader, model.reader.header, i, Rule("dense"), Counters()) for i in range(cfg.n_layer)]
     model.bind_activations(1)
-    steps = [(model.layer_steps(i, True), model.layer_steps(i, True, entry=model.ffns[i].dense()),
-              model.layer_steps(i, False, rule=dense[i])) if model.ffns[i]
-             else (model.layer_steps(i, False),) for i in range(cfg.n_layer)]
+    steps = [(model.steps.layer(i, True), model.steps.layer(i, True, entry=model.ffns[i].dense()),
+              model.steps.layer(i, False, rule=dense[i])) if model.ffns[i]
+             else (model.steps.layer(i, False),) for i in range(cfg.n_layer)]
     ids = timing_tokens(model.tokenizer_spec, model.cfg.vocab, TIMING_TOKENS)
     spent = {name: [] for name in groups}      # per token: seconds of each way over the rule's layers
     t_start = time.perf_counter()
@@ -78,10 +78,10 @@ def choose_paths(model):
                 for step in steps[i][0]:
                     step()
                 continue
-            saved = model.delta.np.copy()     # every way reads the previous layer's FFN output
+            saved = model.steps.delta.np.copy()     # every way reads the previous layer's FFN output
             for k, way in enumerate(np.roll((0, 1, 2), t + i)):
                 if k:
-                    model.delta.np[...] = saved
+                    model.steps.delta.np[...] = saved
                 t0 = time.perf_counter()
                 for step in steps[i][way]:
                     step()
@@ -113,7 +113,7 @@ def choose_paths(model):
     model.unbind()
     if any(model.ffns):
         choose_prefill(model)
-    elif not model.on_device:
+    elif not model.devices.on_device:
         model.attn = None        # the attention-only sessions go unused
 
 def choose_prefill(model):

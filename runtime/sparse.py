@@ -30,6 +30,15 @@ class Rule:
         mode, value = S.parse_mode(text)
         return cls(mode, value or 0.0)
 
+    @classmethod
+    def of_layer(cls, header, layer, override=""):
+        """Layer `layer`'s rule: `override` (MODE[:VALUE]) where given, else the file's mode."""
+        if override:
+            return cls.parse(override)
+        layers = header.get("layers") or []
+        info = layers[layer] if layer < len(layers) else {}
+        return cls(info.get("mode", "dense"), float(info.get("value", 0.0)))
+
 
 @dataclass(frozen=True)
 class LayerFfn:

@@ -154,5 +154,5 @@ def test_the_emulated_device_refuses_what_the_gpu_refuses(silu_file):
     with pytest.raises(ValueError, match="dense device 'tpu'"):
         Model(silu_file, RuntimeOptions(device="cpu", dense_device="tpu"))
     m = Model(silu_file, RuntimeOptions(device="cpu", dense_device="emulated-gpu", threads=1))
-    assert m.on_device and m.act_dtype == np.float16 and m.attention.kv[0][0].np is None
+    assert m.devices.on_device and m.devices.act_dtype == np.float16 and m.attention.kv[0][0].np is None
     assert m.prefill_by_token == 0 and not m.path_choices     # no timing of host-only paths

@@ -289,7 +289,7 @@ def test_fp16_graphs_agree_with_fp32(silu_file, sparsity, kernels):
     ids = list(range(5, 45))
     a, b = (Model(silu_file, RuntimeOptions(sparsity=sparsity, kernels=kernels, threads=1, device="cpu",
                                              dense_device=dd)) for dd in ("cpu", "cpu-fp16"))
-    assert b.act_dtype == np.float16 and b.attention.kv[0][0].read().dtype == np.float16
+    assert b.devices.act_dtype == np.float16 and b.attention.kv[0][0].read().dtype == np.float16
     want, got = a.forward(ids, logits_from=0), b.forward(ids, logits_from=0)
     step_a, step_b = (np.stack([m.forward([t]) for t in ids[:12]]) for m in (a, b))
     spread = np.abs(want).max()
@@ -305,14 +305,14 @@ def test_the_dense_part_needs_a_cuda_provider(silu_file):
         Model(silu_file, RuntimeOptions(device="cpu", dense_device="tpu"))
     with pytest.raises(gpu_mod.GpuError, match="cannot run on the GPU: the FFN runs on the CPU"):
         Model(silu_file, RuntimeOptions(device="cpu", dense_device="gpu"))
-    assert Model(silu_file, RuntimeOptions(device="cpu-split", vram_budget=1.0)).dense_device == "cpu"
+    assert Model(silu_file, RuntimeOptions(device="cpu-split", vram_budget=1.0)).devices.dense == "cpu"
 
 
 def test_auto_runs_on_the_cpu_where_no_gpu_is_found(silu_file, monkeypatch):
     def no_gpu(*a, **k):
         raise gpu_mod.GpuError("no NVIDIA driver was found")
     monkeypatch.setattr(gpu_mod, "Gpu", no_gpu)
-    assert Model(silu_file, RuntimeOptions()).device == "cpu"
+    assert Model(silu_file, RuntimeOptions()).devices.ffn == "cpu"
     with pytest.raises(gpu_mod.GpuError, match="no NVIDIA driver"):
         Model(silu_file, RuntimeOptions(device="gpu"))
 
@@ -386,7 +386,7 @@ def test_gpu_dense_part_decodes_as_the_cpu(gpu, silu_file, sparsity):
     for budget in (1.0, 3e-5):
         m = Model(silu_file, RuntimeOptions(sparsity=sparsity, threads=1, device="gpu", vram_budget=budget,
                                             dense_device="gpu"))
-        assert m.dense_device == "gpu" and m.on_device
+        assert m.devices.dense == "gpu" and m.devices.on_device
         got = m.forward(ids[:8], logits_from=0), _decode(m, ids)
         for w, g in zip(want, got):
             spread = np.abs(w).max()

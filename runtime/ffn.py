@@ -1,0 +1,68 @@
+"""Each layer's FFN paths: the fused kernel under the layer's rule (LayerFfn: pinfer's CPU kernel,
+or the hybrid of the plan's hot neurons on the GPU and the rest on the CPU), and the down
+projection the ONNX path uses (MatMulNBits, pinfer's DownProjection, or a --quant mixed split)."""
+
+from pinfer.formats import schema as S
+from pinfer.kernels import DownProjection
+
+from . import hybrid
+from .ort import MatMulDown, SplitDown
+from .sparse import LayerFfn
+
+
+def fused_ffn(model, i):
+    """The LayerFfn for layer i's decode, or None where the ONNX graph and NumPy rule run: dense
+    layers with no hot neurons (ONNX Runtime's MatMulNBits is the faster dense path), formats or
+    shapes the kernel lacks, and --quant mixed splits."""
+    rule, r, cfg, on_device = model.rules[i], model.reader, model.cfg, model.devices.on_device
+    hot = model.plan.hot[i] if model.plan else 0
+    fused = model.use_kernels != "off" or hot or on_device   # the GPU's decode has no other FFN path
+    if (not fused or (rule.rule.mode == "dense" and not hot and not on_device)
+            or S.FFN_GATE_UP_COLD.format(i) in r.header["weights"]
+            or not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu") or S.FFN_GATE_UP_BIAS.format(i) in r):
+        return None
+    try:
+        kernel = layer_kernel(model, i, rule.rule.mode)
+    except ValueError:
+        return None
+    thr = float(rule.threshold) if rule.threshold is not None else 0.0
+    pthr = float(rule.pred[3]) if rule.pred is not None else 0.0
+    return LayerFfn(kernel, rule.rule.mode, thr, pthr)
+
+
+def layer_kernel(model, i, mode):
+    """Layer i's fused FFN for `mode`: the CPU kernel, or the hybrid of the plan's hot neurons
+    on the GPU (or a second CPU kernel with device cpu-split) and the rest on the CPU."""
+    r, cfg, dv = model.reader, model.cfg, model.devices
+    parts = (r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i)), None)
+    if mode in ("predicted", "relu"):
+        parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i))[1], r.block(S.FFN_PRED_W2.format(i))[1],
+                              r.tensor(S.FFN_PRED_B2.format(i))),)
+    k = model.plan.hot[i] if model.plan else 0
+    if dv.ffn == "gpu":
+        from pinfer.kernels.gpu import HotFFN
+        spec = dv.specs[i][0]
+        make = lambda gu, dn, pred: HotFFN(dv.gpu, spec, k, gu, dn, pred, cfg.ffn_act,   # noqa: E731
+                                           model.options.deterministic)
+    else:
+        make = hybrid.cpu_hot_factory(k, cfg.d_model, cfg.ffn_act, model.threads, dv.copier)
+    rows = getattr(model.downs[i], "rows", None) if model.downs else None   # W_down, shared with MatMulNBits
+    return hybrid.build(parts, k, cfg.n_ff, cfg.d_model, cfg.ffn_act, model.threads, make,
+                        rows if rows and rows[0] == "q4" else None)
+
+
+def down_projection(reader, cfg, i, threads):
+    """Layer i's down projection for the ONNX path (bind(h, y) -> run)."""
+    hot_fmt, hot_parts = reader.block(S.FFN_DOWN_T.format(i))
+    cold = S.FFN_DOWN_T_COLD.format(i)
+    if cold not in reader.header["weights"]:
+        down = MatMulDown if hot_fmt in MatMulDown.FORMATS else DownProjection
+        return down(hot_fmt, hot_parts, threads, cfg.n_ff, cfg.d_model)
+    hot = (reader.header.get("ffn", {}).get("hot_rows") or [None] * cfg.n_layer)[i:i + 1]
+    if not hot or not isinstance(hot[0], int) or not 0 < hot[0] < cfg.n_ff:
+        raise ValueError(f"layer {i}'s FFN is split in hot and cold rows but the header's ffn.hot_rows does "
+                         f"not say where (found {hot[0] if hot else None!r}, expected 1..{cfg.n_ff - 1}); "
+                         "convert the model again")
+    hot = hot[0]
+    return SplitDown(DownProjection(hot_fmt, hot_parts, threads, hot, cfg.d_model),
+                     DownProjection(*reader.block(cold), threads, cfg.n_ff - hot, cfg.d_model))
