@@ -92,7 +92,55 @@ def _same_format(items):
 
 
 def convert(opts):
+    """The conversion: front end (the source, checked), passes (the layout), back end (tensors,
+    graphs and header through PinfWriter), verification and report. Returns the output path, or
+    None after a dry run."""
     t0 = time.perf_counter()
+    fe = _front_end(opts)
+    src, T, cfg, out = fe.src, fe.roles, fe.cfg, fe.out
+    _log(f"pinfer convert: {fe.path.name}: {cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, "
+         f"n_ff {cfg.n_ff}, heads {cfg.n_head}/{cfg.n_head_kv}, vocab {cfg.vocab}, FFN {cfg.ffn_act}")
+    if opts.dry_run:
+        from .report import dry_run
+        dry_run(src, T, cfg, opts, out)
+        return None
+    _check_disk(src, out)
+    layout = passes.run(src, T, cfg, fe.tokenizer, opts.passes, opts.quant)
+    hot_rows = passes.mixed_split(src, T, cfg, layout, opts.target_vram_gib, _plan_ctx(cfg)) \
+        if opts.quant == "mixed" else None
+    if hot_rows is not None:
+        _log(f"mixed: fp16 for the hottest {sum(hot_rows)} of {cfg.n_layer * cfg.n_ff} neurons "
+             f"(the plan for {opts.target_vram_gib:g} GiB), int4 for the rest")
+    t_write = time.perf_counter()
+    with PinfWriter(out, replace=opts.force) as w:     # without --force it never replaces a file
+        em, graph_names = _emit(w, fe, layout, opts.quant, hot_rows, t0)
+        header = _header(fe, layout, em, graph_names, w.directory, opts, hot_rows)
+        try:
+            w.finish(header)
+        except FileExistsError as e:
+            raise ConvertError(str(e)) from None
+    worst = max(em.errors.values(), default=0.0)
+    _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t_write:.1f} s; "
+         f"{len(em.errors)} tensors re-quantized, worst relative error {worst:.2e}")
+    if opts.verify:
+        _verify_and_report(out, cfg, layout, header, opts, t0)
+    _log(f"done in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+@dataclass
+class _FrontEnd:
+    path: Path           # the source as given
+    out: Path            # the output to write
+    src: object          # GGUFSource or HFSource
+    cfg: object          # ModelConfig
+    roles: dict          # arch.roles: role -> tensor name template
+    tokenizer: dict      # the tokenizer spec
+
+
+def _front_end(opts):
+    """The source opened and checked before any tensor is read: the output name is free (or
+    --force), the architecture is supported, the options fit the model, every tensor is there."""
     src_path = Path(opts.source)
     out = Path(opts.output) if opts.output else (
         src_path.parent / f"{src_path.name}.pinf" if src_path.is_dir() else src_path.with_suffix(".pinf"))
@@ -123,91 +171,75 @@ def convert(opts):
     if missing:
         raise ConvertError(f"{src_path} lacks tensors a {cfg.arch} model needs: {', '.join(missing[:5])}"
                            f"{' ...' if len(missing) > 5 else ''}")
-    _log(f"pinfer convert: {src_path.name}: {cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, "
-         f"n_ff {cfg.n_ff}, heads {cfg.n_head}/{cfg.n_head_kv}, vocab {cfg.vocab}, FFN {cfg.ffn_act}")
-    if opts.dry_run:
-        from .report import dry_run
-        dry_run(src, T, cfg, opts, out)
-        return None
-    _check_disk(src, out)
-    layout = passes.run(src, T, cfg, tokenizer, opts.passes, opts.quant)
+    return _FrontEnd(src_path, out, src, cfg, T, tokenizer)
 
-    hot_rows = passes.mixed_split(src, T, cfg, layout, opts.target_vram_gib, _plan_ctx(cfg)) \
-        if opts.quant == "mixed" else None
-    if hot_rows is not None:
-        _log(f"mixed: fp16 for the hottest {sum(hot_rows)} of {cfg.n_layer * cfg.n_ff} neurons "
-             f"(the plan for {opts.target_vram_gib:g} GiB), int4 for the rest")
 
-    t_write = time.perf_counter()
-    with PinfWriter(out, replace=opts.force) as w:     # without --force it never replaces a file
-        em = _Emitter(w)
-        f, parts, fl = _linear(src, T["token_embd"])
-        em.put(S.TOKEN_EMBD, f, parts, fl)
-        if not cfg.tied_embeddings:
-            f, parts, fl = _linear(src, T["output"])
-            em.put(S.OUTPUT, f, parts, fl)
-        w.add_tensor(S.OUTPUT_NORM, src.floats(T["output_norm"]).reshape(-1))
-        if "output_norm_bias" in T:
-            w.add_tensor(S.OUTPUT_NORM_BIAS, src.floats(T["output_norm_bias"]).reshape(-1))
-        if "pos_embd" in T:
-            w.add_tensor(S.POS_EMBD, src.floats(T["pos_embd"]))
-        if "rope_freqs" in T:
-            w.add_tensor(S.ROPE_FREQS, src.floats(T["rope_freqs"]).reshape(-1))
-        for i in range(cfg.n_layer):
-            _layer(src, T, cfg, i, w, em, layout.layers[i], opts.quant, hot_rows and hot_rows[i])
-            _log(f"  layer {i + 1}/{cfg.n_layer} written ({time.perf_counter() - t0:.1f} s)")
-        if layout.calibration is not None:
-            w.add_tensor(S.FFN_FREQ, np.stack([lay.freq for lay in layout.layers]).astype(np.float32))
-        graph_names = {}
-        directory = w.directory
-        for i in range(cfg.n_layer):
-            name = S.LAYER_GRAPH.format(i)
-            w.add_bytes(S.GRAPH.format(name), graphs.serialize(graphs.layer_graph(cfg, i, em.formats, directory)))
-            graph_names[name] = S.GRAPH.format(name)
-        w.add_bytes(S.GRAPH.format(S.HEAD_GRAPH), graphs.serialize(graphs.head_graph(cfg, em.formats, directory)))
-        graph_names[S.HEAD_GRAPH] = S.GRAPH.format(S.HEAD_GRAPH)
-        reordered = any(lay.perm is not None for lay in layout.layers)
-        header = {
-            "config": cfg.to_dict(),
-            "tokenizer": tokenizer,
-            "weights": em.formats,
-            "ffn": {"layout": "bundles", "neuron_order": "hot-first" if reordered else "source",
-                    "quant": opts.quant} | ({"hot_rows": hot_rows} if hot_rows is not None else {}),
-            "sparsity": layout.sparsity,
-            "layers": [lay.info or {"mode": lay.mode, "value": lay.value, "order": "source"}
-                       for lay in layout.layers],
-            "plan": passes.placement_plan(cfg, layout, directory, opts.target_vram_gib, _plan_ctx(cfg),
-                                          hot_rows),
-            "graphs": graph_names,
-            "provenance": {
-                "source": src_path.name,
-                "source_sha256": src.sha256(),
-                "source_name": src.meta.get("general.name"),
-                "pinfer_version": pinfer_version(),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "calibration": layout.sparsity.get("calibration"),
-                "conversion_error": em.errors,
-            },
-        }
-        try:
-            w.finish(header)
-        except FileExistsError as e:
-            raise ConvertError(str(e)) from None
-    worst = max(em.errors.values(), default=0.0)
-    _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t_write:.1f} s; "
-         f"{len(em.errors)} tensors re-quantized, worst relative error {worst:.2e}")
-    if opts.verify:
-        from .verify import verify_output
-        try:
-            checks = verify_output(out, layout)
-        except Exception as e:
-            out.unlink()        # a file that fails its own checks is not left behind
-            raise ConvertError(f"{out.name} was written but failed verification and was removed: {e}") from e
-        if opts.report and layout.calibration is not None:
-            from .report import write_report
-            write_report(out, cfg, layout, header, checks, time.perf_counter() - t0)
-    _log(f"done in {time.perf_counter() - t0:.1f} s")
-    return out
+def _emit(w, fe, layout, quant, hot_rows, t0):
+    """Every tensor and graph of the file, in order; returns the emitter (formats, errors) and
+    the graph names of the header."""
+    src, T, cfg = fe.src, fe.roles, fe.cfg
+    em = _Emitter(w)
+    em.put(S.TOKEN_EMBD, *_linear(src, T["token_embd"]))
+    if not cfg.tied_embeddings:
+        em.put(S.OUTPUT, *_linear(src, T["output"]))
+    w.add_tensor(S.OUTPUT_NORM, src.floats(T["output_norm"]).reshape(-1))
+    for role, name, flat in (("output_norm_bias", S.OUTPUT_NORM_BIAS, True), ("pos_embd", S.POS_EMBD, False),
+                             ("rope_freqs", S.ROPE_FREQS, True)):
+        if role in T:
+            a = src.floats(T[role])
+            w.add_tensor(name, a.reshape(-1) if flat else a)
+    for i in range(cfg.n_layer):
+        _layer(src, T, cfg, i, w, em, layout.layers[i], quant, hot_rows and hot_rows[i])
+        _log(f"  layer {i + 1}/{cfg.n_layer} written ({time.perf_counter() - t0:.1f} s)")
+    if layout.calibration is not None:
+        w.add_tensor(S.FFN_FREQ, np.stack([lay.freq for lay in layout.layers]).astype(np.float32))
+    graph_names = {}
+    directory = w.directory
+    for i in range(cfg.n_layer):
+        name = S.LAYER_GRAPH.format(i)
+        w.add_bytes(S.GRAPH.format(name), graphs.serialize(graphs.layer_graph(cfg, i, em.formats, directory)))
+        graph_names[name] = S.GRAPH.format(name)
+    w.add_bytes(S.GRAPH.format(S.HEAD_GRAPH), graphs.serialize(graphs.head_graph(cfg, em.formats, directory)))
+    graph_names[S.HEAD_GRAPH] = S.GRAPH.format(S.HEAD_GRAPH)
+    return em, graph_names
+
+
+def _header(fe, layout, em, graph_names, directory, opts, hot_rows):
+    cfg = fe.cfg
+    reordered = any(lay.perm is not None for lay in layout.layers)
+    return {
+        "config": cfg.to_dict(),
+        "tokenizer": fe.tokenizer,
+        "weights": em.formats,
+        "ffn": {"layout": "bundles", "neuron_order": "hot-first" if reordered else "source",
+                "quant": opts.quant} | ({"hot_rows": hot_rows} if hot_rows is not None else {}),
+        "sparsity": layout.sparsity,
+        "layers": [lay.info or {"mode": lay.mode, "value": lay.value, "order": "source"}
+                   for lay in layout.layers],
+        "plan": passes.placement_plan(cfg, layout, directory, opts.target_vram_gib, _plan_ctx(cfg), hot_rows),
+        "graphs": graph_names,
+        "provenance": {
+            "source": fe.path.name,
+            "source_sha256": fe.src.sha256(),
+            "source_name": fe.src.meta.get("general.name"),
+            "pinfer_version": pinfer_version(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "calibration": layout.sparsity.get("calibration"),
+            "conversion_error": em.errors,
+        },
+    }
+
+
+def _verify_and_report(out, cfg, layout, header, opts, t0):
+    from .verify import verify_output
+    try:
+        checks = verify_output(out, layout)
+    except Exception as e:
+        out.unlink()        # a file that fails its own checks is not left behind
+        raise ConvertError(f"{out.name} was written but failed verification and was removed: {e}") from e
+    if opts.report and layout.calibration is not None:
+        from .report import write_report
+        write_report(out, cfg, layout, header, checks, time.perf_counter() - t0)
 
 
 def _plan_ctx(cfg):

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
-from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -204,44 +203,53 @@ def _flag(data, key):
     return bool(v)
 
 
-def make_app(path, options=ServerOptions(), on_load_error=None):
-    """The Starlette app. on_load_error(exception): called on the loading thread if the model
-    fails to load (pinfer serve prints the reason and exits); without it /health says so."""
-    from pathlib import Path
+def _number(data, key, default, lo, hi, kind=float):
+    v = data.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or \
+            kind is int and v != int(v):
+        raise BadRequest(f"'{key}' must be a {'whole ' if kind is int else ''}number from {lo} to {hi}")
+    return kind(v)
 
-    engine = Engine(path, options, on_load_error)
-    model_id = options.model_id or Path(path).stem
-    created = int(time.time())
 
-    def check_auth(request):
-        if options.api_key is None:
+class _Api:
+    """The endpoints over one Engine: requests checked field by field, prompts prepared off the
+    event loop, completions streamed or whole."""
+
+    def __init__(self, engine, options, model_id):
+        self.engine, self.options, self.model_id = engine, options, model_id
+        self.created = int(time.time())
+
+    def check_auth(self, request):
+        if self.options.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
         # RFC 7235: the scheme is case-insensitive
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), options.api_key.encode()):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.options.api_key.encode()):
             raise BadRequest("a valid API key is required: send 'Authorization: Bearer KEY'", 401)
 
-    def check_ready():
-        if not engine.ready.is_set():
+    def check_ready(self):
+        if not self.engine.ready.is_set():
             raise BadRequest("the model is still loading; retry in a moment", 503)
-        if engine.error is not None:
-            raise BadRequest(f"the model failed to load: {engine.error}", 500)
+        if self.engine.error is not None:
+            raise BadRequest(f"the model failed to load: {self.engine.error}", 500)
 
-    async def read_json(request):
+    async def read_json(self, request):
         length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > options.max_body_bytes):
-            raise BadRequest(f"the request body is {length} bytes, over the limit of {options.max_body_bytes}", 413)
+        if length is not None and (not length.isdigit() or int(length) > self.options.max_body_bytes):
+            raise BadRequest(f"the request body is {length} bytes, over the limit of {self.options.max_body_bytes}", 413)
         async def collect():
             body = b""
             async for chunk in request.stream():
                 body += chunk
-                if len(body) > options.max_body_bytes:
-                    raise BadRequest(f"the request body is over the limit of {options.max_body_bytes} bytes", 413)
+                if len(body) > self.options.max_body_bytes:
+                    raise BadRequest(f"the request body is over the limit of {self.options.max_body_bytes} bytes", 413)
             return body
         try:
-            body = await asyncio.wait_for(collect(), options.body_seconds)
+            body = await asyncio.wait_for(collect(), self.options.body_seconds)
         except asyncio.TimeoutError:
-            raise BadRequest(f"the request body did not arrive within {options.body_seconds:g} s", 408) from None
+            raise BadRequest(f"the request body did not arrive within {self.options.body_seconds:g} s", 408) from None
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -255,25 +263,16 @@ def make_app(path, options=ServerOptions(), on_load_error=None):
             raise BadRequest(f"pinfer does not support these request fields: {', '.join(bad)}")
         return data
 
-    def number(data, key, default, lo, hi, kind=float):
-        v = data.get(key, default)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or \
-                kind is int and v != int(v):
-            raise BadRequest(f"'{key}' must be a {'whole ' if kind is int else ''}number from {lo} to {hi}")
-        return kind(v)
-
-    def generation(data, n_prompt):
-        room = engine.session.n_ctx - n_prompt
+    def generation(self, data, n_prompt):
+        room = self.engine.session.n_ctx - n_prompt
         if room <= 0:
-            raise BadRequest(f"the prompt is {n_prompt} tokens; the context holds {engine.session.n_ctx}",
+            raise BadRequest(f"the prompt is {n_prompt} tokens; the context holds {self.engine.session.n_ctx}",
                              code="context_length_exceeded")
-        limit = options.max_tokens_limit
+        limit = self.options.max_tokens_limit
         key = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
-        max_tokens = number(data, key, min(limit, room), 1, limit, int)
-        seed = number(data, "seed", -1, -(2 ** 63), 2 ** 64, int)
-        sampler = SamplerConfig(temp=number(data, "temperature", 1.0, 0, 2), top_p=number(data, "top_p", 1.0, 0, 1),
+        max_tokens = _number(data, key, min(limit, room), 1, limit, int)
+        seed = _number(data, "seed", -1, -(2 ** 63), 2 ** 64, int)
+        sampler = SamplerConfig(temp=_number(data, "temperature", 1.0, 0, 2), top_p=_number(data, "top_p", 1.0, 0, 1),
                                 top_k=0, min_p=0.0, repeat_penalty=1.0, seed=seed if seed >= 0 else -1)
         stop = data.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
@@ -284,9 +283,9 @@ def make_app(path, options=ServerOptions(), on_load_error=None):
         # would round differently, and identical requests must give identical output
         return GenerateOptions(n_predict=min(max_tokens, room), sampler=sampler, reuse_cache=False), stop
 
-    def prompt_of(data, chat):
-        """Token ids of the request's prompt (run on engine.prep: templates and tokenizers take time)."""
-        tok = engine.session.tokenizer
+    def prompt_of(self, data, chat):
+        """Token ids of the request's prompt (run on self.engine.prep: templates and tokenizers take time)."""
+        tok = self.engine.session.tokenizer
         if chat:
             messages = data.get("messages")
             if not isinstance(messages, list) or not messages or not all(
@@ -294,7 +293,7 @@ def make_app(path, options=ServerOptions(), on_load_error=None):
                 raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
             messages = [{**m, "role": _text(m["role"], f"messages[{i}].role"), "content": _content(m, i)}
                         for i, m in enumerate(messages)]
-            return tok.encode(render_messages(engine.session, messages, options.chat_template))
+            return tok.encode(render_messages(self.engine.session, messages, self.options.chat_template))
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -302,18 +301,18 @@ def make_app(path, options=ServerOptions(), on_load_error=None):
             raise BadRequest("'prompt' must be a string")
         return tok.encode(_text(prompt, "prompt"))
 
-    async def handle(request, chat):
+    async def handle(self, request, chat):
         try:
-            check_auth(request)
-            data = await read_json(request)
-            check_ready()
+            self.check_auth(request)
+            data = await self.read_json(request)
+            self.check_ready()
             stream = _flag(data, "stream")
             stream_options = data.get("stream_options")
             if stream_options is not None and not isinstance(stream_options, dict):
                 raise BadRequest("'stream_options' must be an object, e.g. {\"include_usage\": true}")
             include_usage = _flag(stream_options or {}, "include_usage")
-            prompt_ids = await asyncio.get_running_loop().run_in_executor(engine.prep, prompt_of, data, chat)
-            gen, stops = generation(data, len(prompt_ids))
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(self.engine.prep, self.prompt_of, data, chat)
+            gen, stops = self.generation(data, len(prompt_ids))
         except BadRequest as e:
             return _error(str(e), e.status, e.code)
         except ValueError as e:  # a chat template that refuses the conversation, and the like
@@ -322,13 +321,13 @@ def make_app(path, options=ServerOptions(), on_load_error=None):
         obj = "chat.completion" if chat else "text_completion"
         cancelled = threading.Event()
         if stream:
-            return StreamingResponse(sse(rid, obj, chat, prompt_ids, gen, stops, cancelled, include_usage),
+            return StreamingResponse(self.sse(rid, obj, chat, prompt_ids, gen, stops, cancelled, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        watcher = asyncio.create_task(watch_disconnect(request, cancelled))
+        watcher = asyncio.create_task(self.watch_disconnect(request, cancelled))
         usage = {}
         try:
             parts, reason = [], "length"
-            async for text, r in engine.stream(prompt_ids, gen, stops, cancelled, usage):
+            async for text, r in self.engine.stream(prompt_ids, gen, stops, cancelled, usage):
                 parts.append(text)
                 reason = r or reason
         finally:
@@ -336,20 +335,20 @@ def make_app(path, options=ServerOptions(), on_load_error=None):
         text = "".join(parts)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
                   if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
-        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
+        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_id,
                              "choices": [choice], "usage": usage})
 
-    async def watch_disconnect(request, cancelled):
+    async def watch_disconnect(self, request, cancelled):
         while not cancelled.is_set():
             if await request.is_disconnected():
                 cancelled.set()
                 return
             await asyncio.sleep(0.05)
 
-    async def sse(rid, obj, chat, prompt_ids, gen, stops, cancelled, include_usage):
+    async def sse(self, rid, obj, chat, prompt_ids, gen, stops, cancelled, include_usage):
         def chunk(delta_or_text, reason, usage_=None):
             base = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": int(time.time()),
-                    "model": model_id}
+                    "model": self.model_id}
             if usage_ is not None:
                 base.update(choices=[], usage=usage_)
             elif chat:
@@ -362,7 +361,7 @@ def make_app(path, options=ServerOptions(), on_load_error=None):
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None)
-            async for text, reason in engine.stream(prompt_ids, gen, stops, cancelled, usage):
+            async for text, reason in self.engine.stream(prompt_ids, gen, stops, cancelled, usage):
                 if text:
                     yield chunk({"content": text} if chat else text, None)
                 if reason:
@@ -373,32 +372,40 @@ def make_app(path, options=ServerOptions(), on_load_error=None):
         finally:
             cancelled.set()   # the client went away, or we finished: either way stop generating
 
-    async def chat_completions(request):
-        return await handle(request, chat=True)
+    async def chat_completions(self, request):
+        return await self.handle(request, chat=True)
 
-    async def completions(request):
-        return await handle(request, chat=False)
+    async def completions(self, request):
+        return await self.handle(request, chat=False)
 
-    async def models(request):
+    async def models(self, request):
         try:
-            check_auth(request)
+            self.check_auth(request)
         except BadRequest as e:
             return _error(str(e), e.status)
-        return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+        return JSONResponse({"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
                                                          "owned_by": "pinfer"}]})
 
-    async def health(request):
-        if not engine.ready.is_set():
+    async def health(self, request):
+        if not self.engine.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
-        if engine.error is not None:
-            return JSONResponse({"status": "error", "message": str(engine.error)}, status_code=500)
+        if self.engine.error is not None:
+            return JSONResponse({"status": "error", "message": str(self.engine.error)}, status_code=500)
         return JSONResponse({"status": "ok"})
 
+
+def make_app(path, options=ServerOptions(), on_load_error=None):
+    """The Starlette app. on_load_error(exception): called on the loading thread if the model
+    fails to load (pinfer serve prints the reason and exits); without it /health says so."""
+    from pathlib import Path
+
+    engine = Engine(path, options, on_load_error)
+    api = _Api(engine, options, options.model_id or Path(path).stem)
     app = Starlette(routes=[
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
     ])
     app.state.engine = engine
     return app
