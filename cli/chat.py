@@ -57,32 +57,9 @@ def command(ctx, model, system, n_predict, chat_template_file, **kw):
             click.echo()
             continue
         cmd = line.strip()
-        if not cmd:
-            continue
         if cmd in ("/exit", "/quit", "/bye"):
             return
-        if cmd == "/reset":
-            conv.reset()
-            err("[conversation cleared]")
-            continue
-        if cmd.startswith("/system"):
-            conv.system = cmd[len("/system"):].strip() or None
-            conv.reset()
-            err(f"[system prompt {'set' if conv.system else 'cleared'}; conversation cleared]")
-            continue
-        if cmd == "/stats":
-            s = session.stats
-            m = session.model
-            sparsity = ", ".join(m.sparsity_names)
-            gu, down = m.counters.fractions()
-            err(f"prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tok/s, "
-                f"reply {s.decode_tokens} tokens at {s.decode_tps:.1f} tok/s, sparsity {sparsity}"
-                f"{' (every FFN neuron computed)' if sparsity == 'dense' else ''}; "
-                f"FFN rows kept {gu:.0%} gate/up, {down:.0%} down; {m.weight_bytes_per_token() / 1e6:.1f} MB "
-                "of weights read per token")
-            continue
-        if cmd in ("/help", "/?"):
-            err(HELP)
+        if not cmd or _slash_command(cmd, conv, session):
             continue
         conv.turns.append({"role": "user", "content": line})
         reply = []
@@ -99,3 +76,28 @@ def command(ctx, model, system, n_predict, chat_template_file, **kw):
             continue
         click.echo()
         conv.turns.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _slash_command(cmd, conv, session):
+    """Carry out a /command of the chat (not /exit); False when cmd is a message to the model."""
+    if cmd == "/reset":
+        conv.reset()
+        err("[conversation cleared]")
+    elif cmd.startswith("/system"):
+        conv.system = cmd[len("/system"):].strip() or None
+        conv.reset()
+        err(f"[system prompt {'set' if conv.system else 'cleared'}; conversation cleared]")
+    elif cmd == "/stats":
+        s, m = session.stats, session.model
+        sparsity = ", ".join(m.sparsity_names)
+        gu, down = m.counters.fractions()
+        err(f"prompt {s.prompt_tokens} tokens at {s.prompt_tps:.1f} tok/s, "
+            f"reply {s.decode_tokens} tokens at {s.decode_tps:.1f} tok/s, sparsity {sparsity}"
+            f"{' (every FFN neuron computed)' if sparsity == 'dense' else ''}; "
+            f"FFN rows kept {gu:.0%} gate/up, {down:.0%} down; {m.weight_bytes_per_token() / 1e6:.1f} MB "
+            "of weights read per token")
+    elif cmd in ("/help", "/?"):
+        err(HELP)
+    else:
+        return False
+    return True

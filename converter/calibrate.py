@@ -149,17 +149,7 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
         seconds["predictor"] += time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        with torch.no_grad():
-            for p in points:
-                h = streams[p.name]
-                reads = np.zeros(3)
-                for k, b in enumerate(range(0, len(h), BATCH_SEQS)):
-                    a, x, hh = dense[k] if p.mode == "dense" else _forward_ffn(h[b:b + BATCH_SEQS], w, cfg, rot)
-                    x = x.reshape(-1, cfg.d_model)
-                    flat, gu, dn = apply_point(cfg, p, hh.reshape(-1, cfg.n_ff), x, lc)
-                    h[b:b + BATCH_SEQS] = a + (flat @ w.down.T).view(a.shape)
-                    reads += _read_shares(gu, dn, cfg.n_ff, flat.shape[0])
-                lc.read[p.name] = tuple(reads / max(1, -(-len(h) // BATCH_SEQS)))
+        _advance_heldout(points, streams, dense, w, cfg, rot, lc)
         seconds["heldout"] += time.perf_counter() - t2
         layers.append(lc)
         del w, dense, x_held, hact_held
@@ -169,14 +159,28 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
 
     t3 = time.perf_counter()
     targets = torch.from_numpy(calib.heldout[:, 1:].reshape(-1))
-    nll = {}
     with torch.no_grad():
-        for p in points:
-            hs = streams[p.name][:, :-1].reshape(-1, cfg.d_model)
-            nll[p.name] = float(head.nll(hs, targets).mean())
+        nll = {p.name: float(head.nll(streams[p.name][:, :-1].reshape(-1, cfg.d_model), targets).mean())
+               for p in points}
         ref = head.logits(streams["dense"][0, :REFERENCE_TOKENS])
     seconds["head"] = time.perf_counter() - t3
     return CalibrationResult(layers, nll, int(targets.numel()), seconds, ref.numpy())
+
+
+def _advance_heldout(points, streams, dense, w, cfg, rot, lc):
+    """Each operating point's held-out stream through this layer under its own rule, in place,
+    with the shares of FFN rows it read into lc.read (dense: the forward pass already made)."""
+    with torch.no_grad():
+        for p in points:
+            h = streams[p.name]
+            reads = np.zeros(3)
+            for k, b in enumerate(range(0, len(h), BATCH_SEQS)):
+                a, x, hh = dense[k] if p.mode == "dense" else _forward_ffn(h[b:b + BATCH_SEQS], w, cfg, rot)
+                x = x.reshape(-1, cfg.d_model)
+                flat, gu, dn = apply_point(cfg, p, hh.reshape(-1, cfg.n_ff), x, lc)
+                h[b:b + BATCH_SEQS] = a + (flat @ w.down.T).view(a.shape)
+                reads += _read_shares(gu, dn, cfg.n_ff, flat.shape[0])
+            lc.read[p.name] = tuple(reads / max(1, -(-len(h) // BATCH_SEQS)))
 
 
 def _fixed_mmap_threshold():

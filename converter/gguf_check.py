@@ -122,45 +122,52 @@ def check_gguf(path):
                 if not isinstance(v, int) or v <= 0 or v & (v - 1) or v > 1 << 20:
                     c.fail(f"general.alignment is {v}, not a power of two")
                 alignment = v
-        tensors = []
         names = set()
-        for _ in range(n_tensors):
-            name = c.string("a tensor name", limit=1 << 12)
-            if not name or name in names:
-                c.fail(f"tensor name {name!r} is empty, too long or repeated")
-            names.add(name)
-            n_dims = c.unpack("I")
-            if not 1 <= n_dims <= MAX_DIMS:
-                c.fail(f"tensor {name!r} has {n_dims} dimensions")
-            dims = [c.unpack("Q") for _ in range(n_dims)]
-            ttype, offset = c.unpack("I"), c.unpack("Q")
-            try:
-                block, nbytes_block = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-            except (ValueError, KeyError):
-                c.fail(f"tensor {name!r} has unknown type {ttype}")
-            n = 1
-            for d in dims:
-                if d == 0 or d > size * 8:
-                    c.fail(f"tensor {name!r} has dimension {d}")
-                n *= d
-            if dims[0] % block:
-                c.fail(f"tensor {name!r} of shape {dims} does not fit type {GGMLQuantizationType(ttype).name}")
-            nbytes = n // block * nbytes_block
-            if nbytes > size:
-                c.fail(f"tensor {name!r} needs {nbytes:,} bytes, more than the whole {size:,}-byte file: the file "
-                       "is truncated (an interrupted download?) or damaged")
-            tensors.append((name, offset, nbytes))
-        data_start = (c.pos + alignment - 1) // alignment * alignment
-        spans = []
-        for name, offset, nbytes in tensors:
-            start = data_start + offset
-            if offset % alignment or start + nbytes > size:
-                c.pos = start
-                c.fail(f"tensor {name!r} ({nbytes} bytes at offset {offset}) lies outside the file"
-                       + (": it is truncated" if offset % alignment == 0 else ""))
-            spans.append((start, start + nbytes, name))
-        spans.sort()
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-            if start < end:
-                c.fail(f"tensors {a!r} and {b!r} overlap")
+        tensors = [_tensor_entry(c, size, names) for _ in range(n_tensors)]
+        _check_spans(c, tensors, (c.pos + alignment - 1) // alignment * alignment, alignment, size)
     return version, n_tensors, n_kv
+
+
+def _tensor_entry(c, size, names):
+    """(name, offset, nbytes) of the next entry of the tensor table, checked."""
+    name = c.string("a tensor name", limit=1 << 12)
+    if not name or name in names:
+        c.fail(f"tensor name {name!r} is empty, too long or repeated")
+    names.add(name)
+    n_dims = c.unpack("I")
+    if not 1 <= n_dims <= MAX_DIMS:
+        c.fail(f"tensor {name!r} has {n_dims} dimensions")
+    dims = [c.unpack("Q") for _ in range(n_dims)]
+    ttype, offset = c.unpack("I"), c.unpack("Q")
+    try:
+        block, nbytes_block = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+    except (ValueError, KeyError):
+        c.fail(f"tensor {name!r} has unknown type {ttype}")
+    n = 1
+    for d in dims:
+        if d == 0 or d > size * 8:
+            c.fail(f"tensor {name!r} has dimension {d}")
+        n *= d
+    if dims[0] % block:
+        c.fail(f"tensor {name!r} of shape {dims} does not fit type {GGMLQuantizationType(ttype).name}")
+    nbytes = n // block * nbytes_block
+    if nbytes > size:
+        c.fail(f"tensor {name!r} needs {nbytes:,} bytes, more than the whole {size:,}-byte file: the file "
+               "is truncated (an interrupted download?) or damaged")
+    return name, offset, nbytes
+
+
+def _check_spans(c, tensors, data_start, alignment, size):
+    """Every tensor's data aligned, inside the file, and apart from the others."""
+    spans = []
+    for name, offset, nbytes in tensors:
+        start = data_start + offset
+        if offset % alignment or start + nbytes > size:
+            c.pos = start
+            c.fail(f"tensor {name!r} ({nbytes} bytes at offset {offset}) lies outside the file"
+                   + (": it is truncated" if offset % alignment == 0 else ""))
+        spans.append((start, start + nbytes, name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            c.fail(f"tensors {a!r} and {b!r} overlap")

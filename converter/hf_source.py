@@ -20,6 +20,15 @@ from .gguf_source import SourceError, SourceTensor
 F16_MAX = 65504.0
 
 
+def _safetensors_names(path):
+    from safetensors import safe_open
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:   # safetensors raises its own error types for damaged files
+        raise SourceError(f"{path} could not be read as safetensors ({e}); re-download it") from None
+
+
 class HFSource:
     """One Hugging Face model folder. Only config.json is read until `configure`."""
 
@@ -72,7 +81,7 @@ class HFSource:
         else:
             files = {}
             for f in sorted(self.path.glob("*.safetensors")):
-                for name in self._header(f):
+                for name in _safetensors_names(f):
                     files[name] = f
         if not files:
             pickled = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt"))
@@ -83,15 +92,6 @@ class HFSource:
         if missing:
             raise SourceError(f"{self.path} lacks the weight files {', '.join(missing[:3])} its index names")
         return files
-
-    @staticmethod
-    def _header(path):
-        from safetensors import safe_open
-        try:
-            with safe_open(path, framework="pt") as f:
-                return list(f.keys())
-        except Exception as e:   # safetensors raises its own error types for damaged files
-            raise SourceError(f"{path} could not be read as safetensors ({e}); re-download it") from None
 
     def tensor_names(self):
         return set(self._map)

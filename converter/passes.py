@@ -140,25 +140,8 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
         return PL.ffn_bytes(cfg, fmts(i, p), p.mode, result.layers[i].read[p.name])
 
     choice = PL.choose(result, points, bytes_of, opts.max_ppl_increase, forced)
-    layers = []
-    for i, (lc, p) in enumerate(zip(result.layers, choice.modes)):
-        perm = np.argsort(-lc.freq, kind="stable") if _permuted(opts.order, p.mode) else None
-        pred = lc.predictor
-        if perm is not None:
-            pred = _permute_predictor(pred, perm)
-        f = fmts(i, p)
-        layers.append(LayerLayout(
-            mode=p.mode, value=p.value, perm=perm, freq=lc.freq if perm is None else lc.freq[perm],
-            predictor=pred,
-            info={"mode": p.mode, "value": p.value, "order": "source" if perm is None else "hot-first",
-                  "bundle_formats": {"gate_up": f.gate_up[0], "down_t": f.down[0]},
-                  "thresholds": {f"{s:g}": t for s, t in lc.thresholds.items()},
-                  "active_fraction": float(lc.freq.mean()),
-                  "predictor": {"rank": pred.rank, "ranks_tried": {str(r): v for r, v in lc.ranks_tried.items()},
-                                "bytes": pred.nbytes(),
-                                "thresholds": [t.__dict__ for t in lc.pred_thresholds]},
-                  "read": {k: list(v) for k, v in lc.read.items()},
-                  "ffn_bytes": {q.name: bytes_of(i, q) for q in points if q.name in lc.read}}))
+    layers = [_layer_layout(lc, p, opts.order, fmts(i, p), {q.name: bytes_of(i, q) for q in points if q.name in lc.read})
+              for i, (lc, p) in enumerate(zip(result.layers, choice.modes))]
     base = result.ppl("dense")
     sparsity = {
         "mode": "auto" if forced is None else forced.name,
@@ -173,6 +156,24 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
     }
     _log(f"sparsity: {choice.reason} ({time.perf_counter() - t0:.0f} s)")
     return LayoutPlan(layers, sparsity, result, cs)
+
+
+def _layer_layout(lc, p, order, f, ffn_bytes):
+    """A layer's LayerLayout for operating point p, from its calibration lc: neurons hottest first
+    where the mode selects them (the predictor permuted alike), and the header's account of it."""
+    perm = np.argsort(-lc.freq, kind="stable") if _permuted(order, p.mode) else None
+    pred = lc.predictor if perm is None else _permute_predictor(lc.predictor, perm)
+    return LayerLayout(
+        mode=p.mode, value=p.value, perm=perm, freq=lc.freq if perm is None else lc.freq[perm], predictor=pred,
+        info={"mode": p.mode, "value": p.value, "order": "source" if perm is None else "hot-first",
+              "bundle_formats": {"gate_up": f.gate_up[0], "down_t": f.down[0]},
+              "thresholds": {f"{s:g}": t for s, t in lc.thresholds.items()},
+              "active_fraction": float(lc.freq.mean()),
+              "predictor": {"rank": pred.rank, "ranks_tried": {str(r): v for r, v in lc.ranks_tried.items()},
+                            "bytes": pred.nbytes(),
+                            "thresholds": [t.__dict__ for t in lc.pred_thresholds]},
+              "read": {k: list(v) for k, v in lc.read.items()},
+              "ffn_bytes": ffn_bytes})
 
 
 def _permuted(order, mode):

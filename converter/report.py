@@ -134,8 +134,11 @@ def _plots(paths, cfg, layout, header):
     a2.set_title("Count recall (held-out)"), a2.legend(fontsize=7)
     _save(fig, paths["predictors"])
 
-    # 4. placement for the target VRAM
-    plan = header["plan"]
+    _placement_plot(plt, paths["placement"], cfg, header["plan"], x)
+
+
+def _placement_plot(plt, path, cfg, plan, x):
+    """The default placement for the target VRAM: each layer's hot and cold shares."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
     hot = np.array(plan["hot_neurons"])
     ax.bar(x, hot / cfg.n_ff, label="hot (GPU)")
@@ -144,7 +147,7 @@ def _plots(paths, cfg, layout, header):
     ax.set_xlabel("layer"), ax.set_ylabel("share of FFN neurons")
     ax.set_title(f"Default placement for {plan['target_vram_gib']} GiB: {plan['hot_share']:.0%} of neurons hot")
     ax.legend(loc="lower right", fontsize=7)
-    _save(fig, paths["placement"])
+    _save(fig, path)
 
 
 def _point(lay):

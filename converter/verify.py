@@ -81,7 +81,13 @@ def verify_output(path, layout):
         "increase": math.exp(nll_plan.mean() - nll_dense.mean()) - 1,
         "gate_up_rows_read": gu, "down_rows_read": down, "modes": model.sparsity_names,
     }
+    _say(checks, time.perf_counter() - t0)
+    return checks
+
+
+def _say(checks, seconds):
     tf, rh = checks["teacher_forced"], checks["runtime_heldout"]
+    gu, down = rh["gate_up_rows_read"], rh["down_rows_read"]
     if tf["top1_agreement"] < TOP1_WARN:
         _log(f"verify: warning: the file's dense top-1 agrees with the source model on only "
              f"{tf['top1_agreement']:.1%} of {tf['tokens']} tokens (expected at least {TOP1_WARN:.0%}); "
@@ -90,5 +96,4 @@ def verify_output(path, layout):
          f"max |dlogit| {tf['max_abs_diff']:.3f}, rms {tf['rms_diff']:.3f}, top-1 {tf['top1_agreement']:.1%} dense, "
          f"{tf['top1_agreement_as_planned']:.1%} as planned; runtime held-out perplexity {rh['dense_ppl']:.3f} dense, "
          f"{rh['planned_ppl']:.3f} as planned ({rh['increase']:+.2%}), rows read {gu:.1%} gate/up, "
-         f"{down:.1%} down ({time.perf_counter() - t0:.1f} s)")
-    return checks
+         f"{down:.1%} down ({seconds:.1f} s)")

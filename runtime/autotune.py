@@ -56,21 +56,48 @@ def choose_paths(model):
     time is under KEEP_BELOW of the faster exact way (median over tokens); otherwise they run
     the faster exact way, rule dropped, the kernel's dense mode only where it is under
     KEEP_BELOW of the graph's. Each choice is printed and kept in path_choices; where a kernel
-    stays, prompts of up to prefill_by_token tokens take its batch call (_choose_prefill)."""
-    cfg = model.cfg
+    stays, prompts of up to prefill_by_token tokens take its batch call (choose_prefill)."""
     groups = {}
     for i, f in enumerate(model.ffns):
         if f is not None:
             groups.setdefault(model.rules[i].rule.name, []).append(i)
+    spent = _time_ways(model, groups)
+    for name, layers in groups.items():
+        times = np.asarray(spent[name])
+        rule_r, dense_r = (float(np.median(times[:, k] / times[:, 2])) for k in (0, 1))
+        path = choose_path(rule_r, dense_r)
+        model.path_choices.append({"rule": name, "layers": len(layers), "tokens": len(times), "path": path,
+                                   "kernel_over_dense": rule_r, "kernel_dense_over_dense": dense_r})
+        if path != "kernel":
+            for i in layers:
+                model.rules[i] = LayerRule(model.reader, model.reader.header, i, Rule("dense"), model.counters)
+                model.ffns[i] = model.ffns[i].dense() if path == "kernel-dense" else None
+        does = {"kernel": f"decoding through the kernel under {name}",
+                "kernel-dense": "running these layers dense through the kernel (rule dropped)",
+                "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[path]
+        print(f"ffn: {name} on {len(layers)} layers, time against ONNX Runtime's dense path here ({model.threads} "
+              f"thread{'s' * (model.threads > 1)}, median of {len(times)} tokens): fused kernel {rule_r:.2f}x, "
+              f"its dense mode {dense_r:.2f}x: {does}", file=sys.stderr)
+    model.unbind()
+    if any(model.ffns):
+        choose_prefill(model)
+    elif not model.devices.on_device:
+        model.attn = None        # the attention-only sessions go unused
+
+
+def _time_ways(model, groups):
+    """{rule name: per timed token, [kernel, kernel-dense, dense] seconds over the rule's layers}:
+    each sparse layer run its three ways on the same input, in an order rotating per token and
+    layer, after TIMING_WARMUP tokens, for up to TIMING_TOKENS tokens or TIMING_BUDGET_S."""
+    cfg = model.cfg
     dense = [LayerRule(model.reader, model.reader.header, i, Rule("dense"), Counters()) for i in range(cfg.n_layer)]
     model.bind_activations(1)
     steps = [(model.steps.layer(i, True), model.steps.layer(i, True, entry=model.ffns[i].dense()),
               model.steps.layer(i, False, rule=dense[i])) if model.ffns[i]
              else (model.steps.layer(i, False),) for i in range(cfg.n_layer)]
-    ids = timing_tokens(model.tokenizer_spec, model.cfg.vocab, TIMING_TOKENS)
-    spent = {name: [] for name in groups}      # per token: seconds of each way over the rule's layers
+    spent = {name: [] for name in groups}
     t_start = time.perf_counter()
-    for t, tok in enumerate(ids):
+    for t, tok in enumerate(timing_tokens(model.tokenizer_spec, cfg.vocab, TIMING_TOKENS)):
         model.start(np.asarray([tok]), 1)
         acc = {name: [0.0, 0.0, 0.0] for name in groups}
         for i in range(cfg.n_layer):
@@ -94,27 +121,8 @@ def choose_paths(model):
                 break
     model.reset()
     model.counters.reset()
-    for name, layers in groups.items():
-        times = np.asarray(spent[name])
-        rule_r, dense_r = (float(np.median(times[:, k] / times[:, 2])) for k in (0, 1))
-        path = choose_path(rule_r, dense_r)
-        model.path_choices.append({"rule": name, "layers": len(layers), "tokens": len(times), "path": path,
-                                  "kernel_over_dense": rule_r, "kernel_dense_over_dense": dense_r})
-        if path != "kernel":
-            for i in layers:
-                model.rules[i] = LayerRule(model.reader, model.reader.header, i, Rule("dense"), model.counters)
-                model.ffns[i] = model.ffns[i].dense() if path == "kernel-dense" else None
-        does = {"kernel": f"decoding through the kernel under {name}",
-                "kernel-dense": "running these layers dense through the kernel (rule dropped)",
-                "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[path]
-        print(f"ffn: {name} on {len(layers)} layers, time against ONNX Runtime's dense path here ({model.threads} "
-              f"thread{'s' * (model.threads > 1)}, median of {len(times)} tokens): fused kernel {rule_r:.2f}x, "
-              f"its dense mode {dense_r:.2f}x: {does}", file=sys.stderr)
-    model.unbind()
-    if any(model.ffns):
-        choose_prefill(model)
-    elif not model.devices.on_device:
-        model.attn = None        # the attention-only sessions go unused
+    return spent
+
 
 def choose_prefill(model):
     """prefill_by_token: the largest prompt length (of PREFILL_SIZES) up to which the kernel's

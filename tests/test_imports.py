@@ -78,3 +78,22 @@ def test_every_module_imports_on_its_own():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.strip()) == len(names) > 40
+
+
+def test_functions_classes_and_the_model_stay_small():
+    """A newcomer reads a function on one screen and a class as one job: no function over 60
+    lines unless its docstring says why ("long because"), no class over 15 methods, and
+    runtime/model.py at most 250 lines."""
+    too_long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60 and "long because" not in (ast.get_docstring(node) or ""):
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.name} ({lines} lines)")
+            elif isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef)) for x in node.body)
+                if methods > 15:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.name} ({methods} methods)")
+    assert not too_long, "; ".join(too_long)
+    assert len((ROOT / "runtime" / "model.py").read_text().splitlines()) <= 250

@@ -1,0 +1,130 @@
+"""Whether a change kept pinfer's behaviour and speed: the same measurements on a git revision and
+on the working tree, in one run, alternating.
+
+    python benchmarks/compare_revisions.py REV --model SmolLM2.pinf [--text tests/data/wikitext-2-raw-test.txt]
+        [--threads 1,2] [--repeats 5]
+
+REV is checked out into a temporary worktree whose C kernels are the working tree's build (copied:
+the kernels' sources must be the same, which the script checks). Each side runs in its own
+process with its own `pinfer` on the path: perplexity over the first 4 chunks of 512 tokens and
+64 greedy tokens after a fixed prompt (which must be identical), then decode (128 tokens) and
+prefill (a 128-token prompt) speed, the sides alternating `--repeats` times per thread count;
+medians and the ratio are printed.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("formats", "converter", "runtime", "cli", "kernels")
+
+CHILD = r'''
+import json, math, sys, time
+import numpy as np
+from pinfer.runtime.model import Model, RuntimeOptions
+from pinfer.runtime.tokenizer import Tokenizer
+what, path, threads, text = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+m = Model(path, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
+tok = Tokenizer.from_spec(m.tokenizer_spec)
+ids = tok.encode(open(text, encoding="utf-8").read()[:200000])
+if what == "quality":
+    nll = []
+    for c in range(4):
+        chunk = ids[c * 512:(c + 1) * 512]
+        m.reset()
+        logits = m.forward(chunk, logits_from=0)
+        z = logits[255:511].astype(np.float64)
+        lse = z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1))
+        nll.append(lse - z[np.arange(len(z)), chunk[256:512]])
+    m.reset()
+    out, t = [], m.forward(ids[:16])[-1]
+    for _ in range(64):
+        out.append(int(t.argmax()))
+        t = m.forward([out[-1]])[-1]
+    print(json.dumps({"ppl": math.exp(float(np.concatenate(nll).mean())), "greedy": out}))
+else:
+    m.reset(); m.forward(ids[:8])
+    for _ in range(8):
+        m.forward([1])
+    m.reset(); m.forward(ids[:8])
+    t0 = time.perf_counter()
+    for k in range(128):
+        m.forward([ids[8 + k]])
+    decode = 128 / (time.perf_counter() - t0)
+    m.reset(); m.forward(ids[:128])
+    m.reset()
+    t0 = time.perf_counter()
+    m.forward(ids[:128])
+    print(json.dumps({"decode": decode, "prefill": 128 / (time.perf_counter() - t0)}))
+'''
+
+
+def pyroot(tree, dest):
+    """A `pinfer` package of symlinks to tree's folders (what `pip install -e .` maps)."""
+    pkg = dest / "pinfer"
+    pkg.mkdir(parents=True)
+    for name in PACKAGES:
+        (pkg / name).symlink_to(tree / name)
+    for f in (tree / "pinfer").glob("*.py"):
+        (pkg / f.name).symlink_to(f)
+    return dest
+
+
+def run(root, what, a, threads):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", CHILD, what, str(a.model), str(threads), str(a.text)], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rev")
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--text", type=Path, default=ROOT / "tests" / "data" / "wikitext-2-raw-test.txt")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        old = tmp / "old"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), a.rev], check=True,
+                       capture_output=True)
+        try:
+            diff = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", a.rev, "--", "kernels/csrc"])
+            if diff.returncode:
+                sys.exit(f"compare_revisions: kernels/csrc differs between {a.rev} and the working tree; "
+                         "the copied build would not be the revision's")
+            for so in (ROOT / "kernels").glob("_kernels*.so"):
+                shutil.copy(so, old / "kernels" / so.name)
+            roots = {"before": pyroot(old, tmp / "root-old"), "after": pyroot(ROOT, tmp / "root-new")}
+            q = {side: run(root, "quality", a, 1) for side, root in roots.items()}
+            same = q["before"] == q["after"]
+            print(f"{a.rev} against the working tree, {a.model.name}: perplexity {q['before']['ppl']:.6f} before, "
+                  f"{q['after']['ppl']:.6f} after; 64 greedy tokens {'identical' if same else 'DIFFERENT'}")
+            print("\n| threads | measure | before (median, range) | after (median, range) | after / before |")
+            print("| ---: | --- | ---: | ---: | ---: |")
+            for threads in [int(t) for t in a.threads.split(",")]:
+                runs = {"before": [], "after": []}
+                for r in range(a.repeats):
+                    for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                        runs[side].append(run(roots[side], "speed", a, threads))
+                for key in ("decode", "prefill"):
+                    b, f = ([x[key] for x in runs[s]] for s in ("before", "after"))
+                    mb, mf = statistics.median(b), statistics.median(f)
+                    print(f"| {threads} | {key} tok/s | {mb:.1f} ({min(b):.1f}-{max(b):.1f}) | "
+                          f"{mf:.1f} ({min(f):.1f}-{max(f):.1f}) | {mf / mb:.3f} |")
+            return 0 if same else 1
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
