@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .common import fail_cleanly
+from .common import fail_cleanly, placement_options, runtime_config
 from .common import verbose as is_verbose
 
 
@@ -25,8 +25,9 @@ def _ints(text):
 @click.option("-t", "--threads", default="1", show_default=True, help="Thread counts (comma list).")
 @click.option("-r", "--repetitions", type=int, default=5, show_default=True)
 @click.option("-o", "--output", type=click.Choice(["md", "csv", "json"]), default="md", show_default=True)
+@placement_options
 @click.pass_context
-def command(ctx, model, n_prompt, n_gen, threads, repetitions, output):
+def command(ctx, model, n_prompt, n_gen, threads, repetitions, output, **kw):
     """Measure prefill (pp) and decode (tg) speed, as llama-bench does."""
     from pinfer.formats import PinfReader
     from pinfer.runtime.bench import run_bench
@@ -36,10 +37,10 @@ def command(ctx, model, n_prompt, n_gen, threads, repetitions, output):
         raise click.UsageError("nothing to measure: give -p or -n a positive length")
     with fail_cleanly(is_verbose(ctx)):
         header = PinfReader(model).header
-        results = run_bench(model, tests, _ints(threads), repetitions)
+        results = run_bench(model, tests, _ints(threads), repetitions, options=runtime_config(kw))
     c = header["config"]
     size_mb = model.stat().st_size / 1e6
-    sparsity = header["sparsity"].get("mode", "dense")
+    sparsity = kw.get("sparsity") or ("dense" if kw.get("dense") else header["sparsity"].get("mode", "dense"))
     rows = [{"model": f"{c['arch']} {c['n_layer']}L d{c['d_model']}", "size_MB": round(size_mb, 1),
              "threads": r.threads, "test": r.test, "t/s": round(r.tps_mean, 2), "sd": round(r.tps_sd, 2),
              "sparsity": sparsity, "MB/token": round(r.bytes_per_token / 1e6, 1)} for r in results]

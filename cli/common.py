@@ -35,10 +35,17 @@ def peak_rss_mb():
 
 
 def runtime_options(f):
+    """-c, -t and the placement options (placement_options) of a verb that loads one model."""
     f = click.option("-c", "--ctx-size", "n_ctx", type=int, default=0, show_default=True,
                      help="Context size in tokens (0: the model's, capped at 4096).")(f)
     f = click.option("-t", "--threads", type=int, default=0, show_default=True,
                      help="CPU threads (0: all cores).")(f)
+    return placement_options(f)
+
+
+def placement_options(f):
+    """How the FFN runs and where: --sparsity/--dense, --ffn-kernel, --device, --dense-device,
+    --vram-budget (pinfer bench takes these, with its own -t list)."""
     f = click.option("--sparsity", default="", metavar="MODE[:VALUE]",
                      help="Override the file's per-layer FFN modes: dense, down:S, predicted:R or relu:R "
                           "(values the converter calibrated; see pinfer inspect).")(f)
@@ -63,12 +70,16 @@ def runtime_options(f):
 
 
 def runtime_config(kw):
+    """RuntimeOptions from the verb's options (runtime_options or placement_options); -v of the
+    pinfer command makes the runtime say what it chose."""
     from pinfer.runtime.model import RuntimeOptions
 
-    return RuntimeOptions(n_ctx=kw["n_ctx"], threads=kw["threads"],
+    ctx = click.get_current_context(silent=True)
+    return RuntimeOptions(n_ctx=kw.get("n_ctx", 0), threads=kw.get("threads", 0),
                           sparsity="dense" if kw.get("dense") else kw.get("sparsity", ""),
                           kernels=kw.get("ffn_kernel") or "auto", device=kw.get("device") or "auto",
-                          vram_budget=kw.get("vram_budget"), dense_device=kw.get("dense_device") or "cpu")
+                          vram_budget=kw.get("vram_budget"), dense_device=kw.get("dense_device") or "cpu",
+                          verbose=bool(ctx and verbose(ctx)))
 
 
 def sampling_options(f):

@@ -243,8 +243,9 @@ def _verify_and_report(out, cfg, layout, header, opts, t0):
 
 
 def _plan_ctx(cfg):
-    """The context the default placement plan reserves KV cache for."""
-    return min(cfg.n_ctx_train, 4096)
+    """The context the default placement plan reserves KV cache for: the runtime's default."""
+    from pinfer.runtime.options import DEFAULT_CTX
+    return min(cfg.n_ctx_train, DEFAULT_CTX)
 
 
 def _check_disk(src, out):

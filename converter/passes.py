@@ -247,8 +247,9 @@ def _on_gpu(cfg, name, base):
 
 
 def _reserved(cfg, n_ctx):
+    from pinfer.runtime.placement import DENSE_SCRATCH
     kv = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * n_ctx * 2    # f16 K and V
-    return kv, 256 << 20
+    return kv, DENSE_SCRATCH
 
 
 def _hot(cfg, layout, dense, neuron_bytes, target_vram_gib, n_ctx):

@@ -14,7 +14,7 @@ import numpy as np
 
 from pinfer.formats import schema as S
 
-GIB = 1 << 30
+from pinfer.runtime.placement import GIB  # noqa: F401  (one definition; callers use plan.GIB)
 
 
 def row_bytes(fmt, d, has_min):

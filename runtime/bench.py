@@ -3,7 +3,7 @@ tg (N single-token decode steps from an empty cache), each repeated, as tokens p
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,13 +22,14 @@ class BenchResult:
     bytes_per_token: int  # weight bytes one decode step reads (tg); all weights once per call (pp)
 
 
-def run_bench(path, tests, threads, repetitions=5, seed=0):
-    """tests: [("pp", 512), ("tg", 128), ...]; returns a BenchResult per (test, thread count)."""
+def run_bench(path, tests, threads, repetitions=5, seed=0, options=RuntimeOptions()):
+    """tests: [("pp", 512), ("tg", 128), ...]; returns a BenchResult per (test, thread count).
+    options: how the model runs (its n_ctx and threads are set here)."""
     out = []
     rng = np.random.default_rng(seed)
     for t in threads:
         need = max(n for _, n in tests) + 1
-        model = Model(path, RuntimeOptions(n_ctx=max(need, 16), threads=t))
+        model = Model(path, replace(options, n_ctx=max(need, 16), threads=t))
         nbytes = weight_bytes_per_token(model.reader, model.cfg)     # until a decode test counts rows
         vocab = model.cfg.vocab
         for kind, n in tests:

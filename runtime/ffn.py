@@ -6,6 +6,7 @@ from pinfer.formats import schema as S
 from pinfer.kernels import DownProjection
 
 from . import hybrid
+from .placement import kernel_refusal
 from .ort import MatMulDown, SplitDown
 from .sparse import LayerFfn
 
@@ -17,9 +18,7 @@ def fused_ffn(model, i):
     rule, r, cfg, on_device = model.rules[i], model.reader, model.cfg, model.devices.on_device
     hot = model.plan.hot[i] if model.plan else 0
     fused = model.use_kernels != "off" or hot or on_device   # the GPU's decode has no other FFN path
-    if (not fused or (rule.rule.mode == "dense" and not hot and not on_device)
-            or S.FFN_GATE_UP_COLD.format(i) in r.header["weights"]
-            or not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu") or S.FFN_GATE_UP_BIAS.format(i) in r):
+    if not fused or (rule.rule.mode == "dense" and not hot and not on_device) or kernel_refusal(r, cfg, i):
         return None
     try:
         kernel = layer_kernel(model, i, rule.rule.mode)

@@ -102,17 +102,23 @@ class Plan:
         return "\n".join(lines)
 
 
+def kernel_refusal(reader, cfg, i):
+    """Why pinfer's fused FFN kernels (the CPU's and the GPU's) cannot take layer i, from the file
+    alone, or None; each kernel may still refuse a format it lacks (SparseFFN, HotSpec.supported)."""
+    if S.FFN_GATE_UP_COLD.format(i) in reader.header["weights"]:
+        return "its bundles are split in hot and cold formats (--quant mixed)"
+    if not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu"):
+        return f"the kernels take gated silu/relu FFNs, not {cfg.ffn_act}"
+    if S.FFN_GATE_UP_BIAS.format(i) in reader:
+        return "its FFN has biases"
+    return None
+
+
 def layer_specs(reader, cfg, rules):
     """Per layer: (HotSpec, or None with the reason the GPU cannot take the layer)."""
     out = []
     for i in range(cfg.n_layer):
-        why = None
-        if S.FFN_GATE_UP_COLD.format(i) in reader.header["weights"]:
-            why = "its bundles are split in hot and cold formats (--quant mixed)"
-        elif not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu"):
-            why = f"the GPU kernels take gated silu/relu FFNs, not {cfg.ffn_act}"
-        elif S.FFN_GATE_UP_BIAS.format(i) in reader:
-            why = "its FFN has biases"
+        why = kernel_refusal(reader, cfg, i)
         if why:
             out.append((None, why))
             continue
