@@ -29,7 +29,7 @@ def summary(reader):
 
 
 def gguf_summary(path):
-    from pinfer.converter.gguf_source import GGUFSource
+    from pinfer.converter.frontend.gguf_source import GGUFSource
 
     src = GGUFSource(path)
     meta = {k: (f"[{len(v)} items]" if isinstance(v, list) and len(v) > 16 else v) for k, v in src.meta.items()}

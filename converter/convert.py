@@ -13,11 +13,13 @@ from pinfer.formats import PinfWriter, blocks
 from pinfer.formats import schema as S
 from pinfer.formats.writer import partial_path
 
-from . import arch, graphs, passes
-from . import plan as PL
+from . import passes
+from .backend import graphs
+from .frontend import arch
+from .frontend.gguf_source import GGUFSource, SourceError
+from .frontend.hf_source import HFSource
 from .passes import PassOptions
-from .gguf_source import GGUFSource, SourceError
-from .hf_source import HFSource
+from .passes import plan as PL
 
 QUANT_CHOICES = ("auto", "int4", "fp16", "mixed")
 
@@ -101,7 +103,7 @@ def convert(opts):
     _log(f"pinfer convert: {fe.path.name}: {cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, "
          f"n_ff {cfg.n_ff}, heads {cfg.n_head}/{cfg.n_head_kv}, vocab {cfg.vocab}, FFN {cfg.ffn_act}")
     if opts.dry_run:
-        from .report import dry_run
+        from .backend.report import dry_run
         dry_run(src, T, cfg, opts, out)
         return None
     _check_disk(src, out)
@@ -231,14 +233,14 @@ def _header(fe, layout, em, graph_names, directory, opts, hot_rows):
 
 
 def _verify_and_report(out, cfg, layout, header, opts, t0):
-    from .verify import verify_output
+    from .backend.verify import verify_output
     try:
         checks = verify_output(out, layout)
     except Exception as e:
         out.unlink()        # a file that fails its own checks is not left behind
         raise ConvertError(f"{out.name} was written but failed verification and was removed: {e}") from e
     if opts.report and layout.calibration is not None:
-        from .report import write_report
+        from .backend.report import write_report
         write_report(out, cfg, layout, header, checks, time.perf_counter() - t0)
 
 

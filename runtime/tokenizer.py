@@ -241,7 +241,7 @@ class Tokenizer:
         """Build from GGUF-style metadata: model, pre, tokens, token_type, merges (gpt2) or
         scores (llama), bos_id/eos_id/eot_id/eom_id/unk_id/pad_id, add_bos, add_eos and, for
         llama, add_space_prefix (default true). A spec with "hf_tokenizer" (tokenizer.json
-        text, from converter/hf_tokenizer.py) encodes with it instead of pre/merges/scores."""
+        text, from converter/frontend/hf_tokenizer.py) encodes with it instead of pre/merges/scores."""
         for key in ("model", "tokens"):
             if key not in spec:
                 raise ValueError(f"Tokenizer spec has no {key!r}; expected GGUF tokenizer metadata.")

@@ -24,8 +24,8 @@ _SPM_SPECIALS = ("<unk>", "<s>", "</s>")
 
 
 def training_lines() -> list[str]:
-    """The opening lines of converter/data/calibration.txt.gz that the merges are learned from."""
-    data = resources.files("pinfer.converter").joinpath("data/calibration.txt.gz").read_bytes()
+    """The opening lines of converter/passes/data/calibration.txt.gz that the merges are learned from."""
+    data = resources.files("pinfer.converter.passes").joinpath("data/calibration.txt.gz").read_bytes()
     text = gzip.decompress(data).decode("utf-8")[:_TRAINING_CHARS]
     return text.splitlines()
 

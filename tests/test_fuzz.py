@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pinfer.converter.passes import DENSE
 from pinfer.converter.convert import ConvertOptions, convert
-from pinfer.converter.gguf_source import GGUFSource, SourceError
+from pinfer.converter.frontend.gguf_source import GGUFSource, SourceError
 from pinfer.formats import PinfFormatError, PinfReader
 from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig

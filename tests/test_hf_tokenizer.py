@@ -12,7 +12,7 @@ from tokenizers import models, pre_tokenizers
 
 from fixtures import CHATML_TEMPLATE
 from hf_tokenizers import write_tokenizer
-from pinfer.converter.hf_tokenizer import tokenizer_spec_from_hf
+from pinfer.converter.frontend.hf_tokenizer import tokenizer_spec_from_hf
 from pinfer.runtime.tokenizer import Tokenizer, TokenType
 
 KINDS = ("bytelevel", "spm")
@@ -31,7 +31,7 @@ EDGE_TEXTS = [
 
 
 def _texts() -> list[str]:
-    data = resources.files("pinfer.converter").joinpath("data/calibration.txt.gz").read_bytes()
+    data = resources.files("pinfer.converter.passes").joinpath("data/calibration.txt.gz").read_bytes()
     lines = [line for line in gzip.decompress(data).decode("utf-8").splitlines() if line.strip()]
     return lines[::len(lines) // 30][:30] + EDGE_TEXTS  # sampled over the whole text: mostly unseen
 

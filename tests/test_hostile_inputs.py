@@ -32,7 +32,7 @@ from fixtures import make_tiny_llama_gguf
 from test_server import free_port, start_server
 
 from pinfer.converter.convert import ConvertError, ConvertOptions, convert
-from pinfer.converter.gguf_check import GGUFCheckError, check_gguf
+from pinfer.converter.frontend.gguf_check import GGUFCheckError, check_gguf
 from pinfer.converter.passes import DENSE
 from pinfer.formats import PinfFormatError, PinfReader
 from pinfer.formats import schema as S

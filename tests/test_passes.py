@@ -346,8 +346,9 @@ def test_golden_converter_output(tmp_path):
 
 _RSS_SCRIPT = """
 import sys
-from pinfer.converter.gguf_source import GGUFSource
-from pinfer.converter import arch, calib_data, calibrate, torch_llama as TL
+from pinfer.converter.frontend.gguf_source import GGUFSource
+from pinfer.converter.frontend import arch
+from pinfer.converter.passes import calib_data, calibrate, torch_llama as TL
 from pinfer.runtime.tokenizer import Tokenizer
 
 def hwm():

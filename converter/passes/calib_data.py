@@ -1,6 +1,6 @@
 """Calibration text: the default set shipped with pinfer, or the user's `--calib FILE`.
 
-The default set (converter/data/calibration.txt.gz) is public-domain prose: Lewis Carroll's
+The default set (converter/passes/data/calibration.txt.gz) is public-domain prose: Lewis Carroll's
 "Alice's Adventures in Wonderland" and Arthur Conan Doyle's "A Study in Scarlet" and "The Sign of
 the Four", re-flowed into paragraphs. It is never the evaluation text (wikitext-2 test).
 
@@ -31,7 +31,7 @@ class CalibrationSet:
 
 
 def default_text():
-    data = resources.files("pinfer.converter").joinpath("data/calibration.txt.gz").read_bytes()
+    data = resources.files("pinfer.converter.passes").joinpath("data/calibration.txt.gz").read_bytes()
     return gzip.decompress(data).decode("utf-8")
 
 
