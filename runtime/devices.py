@@ -12,8 +12,6 @@ import onnxruntime as ort
 from . import placement
 from .ort import Bound, DeviceEmulation, drop_output, session_options
 
-FFN_DEVICES = ("auto", "cpu", "gpu", "cpu-split")
-DENSE_DEVICES = ("auto", "cpu", "gpu", "cpu-fp16", "emulated-gpu")
 
 
 class Devices:
@@ -34,8 +32,6 @@ class Devices:
         self._free_before = self.dense_measured = 0
 
     def _choose_ffn_device(self, options):
-        if options.device not in FFN_DEVICES:
-            raise ValueError(f"device {options.device!r} is not one of auto, cpu, gpu")
         if options.device in ("cpu", "cpu-split"):
             return options.device
         from pinfer.kernels.gpu import Gpu, GpuError
@@ -51,8 +47,6 @@ class Devices:
 
     def _choose_dense_device(self, options):
         want = options.dense_device
-        if want not in DENSE_DEVICES:
-            raise ValueError(f"dense device {want!r} is not one of auto, cpu, gpu")
         if want in ("cpu", "cpu-fp16"):
             return want
         from pinfer.kernels.gpu import GpuError
@@ -121,8 +115,6 @@ class Devices:
             budget_bytes = max(0, free - placement.MARGIN + reserved.get("dense weights", 0)
                                + reserved.get("KV cache", 0))
         else:
-            if budget < 0:
-                raise ValueError(f"--vram-budget {budget:g} GiB is negative; give the GiB the GPU may use")
             budget_bytes = int(budget * placement.GIB)
         self.specs = placement.layer_specs(self.reader, self.cfg, modes)
         plan = placement.plan(self.reader, self.cfg, modes, budget_bytes, self.reserved(), mass=hotness)

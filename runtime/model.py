@@ -43,9 +43,7 @@ class Model:
             raise ValueError(f"the context of {self.n_ctx} tokens is longer than the {len(self.pos)} positions "
                              "this model learned; pass a smaller -c/--ctx-size")
         self.options = options
-        self.use_kernels = {True: "on", False: "off"}.get(options.kernels, options.kernels)
-        if self.use_kernels not in ("auto", "on", "off"):
-            raise ValueError(f"ffn kernel {options.kernels!r} is not one of auto, on, off")
+        self.use_kernels = options.kernels
         self.devices = dv = Devices(r, cfg, options)
         self.plan, self.ffns, self.steps = None, [], None
         # With the dense part on a device only the attention graphs go there (the full graphs would

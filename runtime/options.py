@@ -1,8 +1,11 @@
-"""How a model runs: one frozen record of the runtime's choices, given once at load."""
+"""How a model runs: one frozen record of the runtime's choices, checked once when it is made."""
 
 from dataclasses import dataclass
 
 DEFAULT_CTX = 4096
+KERNELS = ("auto", "on", "off")
+FFN_DEVICES = ("auto", "cpu", "gpu", "cpu-split")
+DENSE_DEVICES = ("auto", "cpu", "gpu", "cpu-fp16", "emulated-gpu")
 
 
 @dataclass(frozen=True)
@@ -15,8 +18,8 @@ class RuntimeOptions:
     # read), "off" through the ONNX graph + the NumPy rule (every row read: the reference path), or
     # "auto": time both the kernel and the dense path at load and run each rule's layers through
     # the kernel only where it is faster on this machine, dense elsewhere (on SmolLM2 the kernel
-    # is slower; at LLaMA-7B's shape with 10% active it is 1.9x faster). True/False mean on/off.
-    kernels: str | bool = "auto"
+    # is slower; at LLaMA-7B's shape with 10% active it is 1.9x faster).
+    kernels: str = "auto"
     # Where the FFN's hot neurons run: "gpu" (hybrid: hot on the GPU, cold on the CPU), "cpu", or
     # "auto" (the GPU where cuda-python finds one). "cpu-split" plans a split like "gpu" but runs
     # the hot half on a second CPU kernel: it checks the split and the merge without a GPU.
@@ -31,3 +34,14 @@ class RuntimeOptions:
     # CI's check of the device plumbing (see DeviceEmulation).
     dense_device: str = "cpu"
 
+    def __post_init__(self):
+        if self.kernels not in KERNELS:
+            raise ValueError(f"ffn kernel {self.kernels!r} is not one of auto, on, off")
+        if self.device not in FFN_DEVICES:
+            raise ValueError(f"device {self.device!r} is not one of auto, cpu, gpu")
+        if self.dense_device not in DENSE_DEVICES:
+            raise ValueError(f"dense device {self.dense_device!r} is not one of auto, cpu, gpu")
+        if self.vram_budget is not None and not self.vram_budget >= 0:
+            raise ValueError(f"--vram-budget {self.vram_budget:g} GiB is negative; give the GiB the GPU may use")
+        if self.n_ctx < 0 or self.threads < 0:
+            raise ValueError("the context size and the thread count are 0 (the default) or more")

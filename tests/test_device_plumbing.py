@@ -114,7 +114,7 @@ def test_only_the_attention_length_is_read_on_the_host(silu_file):
 def test_the_emulation_catches_host_lengths_and_the_fix_passes(silu_file, sparsity, monkeypatch):
     """Prefill, decode and the head with the dense part's buffers in (emulated) device memory:
     the pre-fix runtime fails as it did on the H200, the fixed one agrees with the CPU path."""
-    opts = dict(sparsity=sparsity, kernels=True, threads=1, device="cpu")
+    opts = dict(sparsity=sparsity, kernels="on", threads=1, device="cpu")
     want = _run(Model(silu_file, RuntimeOptions(**opts)))
     spread = np.abs(want[1]).max()
     got = _run(Model(silu_file, RuntimeOptions(**opts, dense_device="emulated-gpu")))
@@ -140,7 +140,7 @@ def test_a_split_layer_merges_into_device_memory(silu_file, sparsity, split, cap
     if split:   # the smallest budget giving every layer hot neurons and some layer cold ones too
         budget = next(b for b in range(0, 1 << 20, 1024)
                       if min(hot := placement.plan(r, cfg, modes, b).hot) > 0 and min(hot) < cfg.n_ff)
-    opts = dict(sparsity=sparsity, kernels=True, threads=1, device="cpu-split", vram_budget=budget / placement.GIB)
+    opts = dict(sparsity=sparsity, kernels="on", threads=1, device="cpu-split", vram_budget=budget / placement.GIB)
     m = Model(silu_file, RuntimeOptions(**opts, dense_device="emulated-gpu"))
     assert any(h < cfg.n_ff for h in m.plan.hot) == split and min(m.plan.hot) > 0, m.plan.hot
     got = _run(m)

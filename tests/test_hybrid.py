@@ -261,11 +261,11 @@ def test_model_decodes_the_same_with_the_split(silu_file, sparsity, capfd, monke
     # halves run the axpy, and the comparison is exact
     monkeypatch.setattr(kernels, "ROWS_FROM", 1.0)
     ids = list(range(5, 37))
-    ref = Model(silu_file, RuntimeOptions(sparsity=sparsity, kernels=True, threads=1, device="cpu"))
+    ref = Model(silu_file, RuntimeOptions(sparsity=sparsity, kernels="on", threads=1, device="cpu"))
     want = _decode(ref, ids)
     spread = np.abs(want).max()
     for budget in (0.0, 3e-5, 1e-4, 1.0):
-        m = Model(silu_file, RuntimeOptions(sparsity=sparsity, kernels=True, threads=1, device="cpu-split",
+        m = Model(silu_file, RuntimeOptions(sparsity=sparsity, kernels="on", threads=1, device="cpu-split",
                                             vram_budget=budget, verbose=True))
         got = _decode(m, ids)
         if sparsity == "dense" and any(m.plan.hot):
@@ -282,7 +282,7 @@ def test_model_decodes_the_same_with_the_split(silu_file, sparsity, capfd, monke
         Model(silu_file, RuntimeOptions(device="cpu-split", vram_budget=-1))
 
 
-@pytest.mark.parametrize("sparsity, kernels", [("dense", False), ("down:0.3", True), ("predicted:0.99", False)])
+@pytest.mark.parametrize("sparsity, kernels", [("dense", "off"), ("down:0.3", "on"), ("predicted:0.99", "off")])
 def test_fp16_graphs_agree_with_fp32(silu_file, sparsity, kernels):
     """The FP16 graphs the CUDA provider would run (runtime/fp16.py), here on the CPU provider:
     prefill and decode against the FP32 graphs of the same file."""
@@ -361,7 +361,7 @@ def test_gpu_hot_part_matches_the_cpu_kernel(gpu, gu_fmt, dn_fmt, mode, act):
 
 def test_gpu_model_decodes_as_the_cpu(gpu, silu_file, capfd):
     ids = list(range(5, 37))
-    want = _decode(Model(silu_file, RuntimeOptions(sparsity="predicted:0.99", kernels=True, threads=1,
+    want = _decode(Model(silu_file, RuntimeOptions(sparsity="predicted:0.99", kernels="on", threads=1,
                                                    device="cpu")), ids)
     m = Model(silu_file, RuntimeOptions(sparsity="predicted:0.99", threads=1, device="gpu", vram_budget=1.0))
     assert m.plan.hot == [128, 128]
@@ -381,7 +381,7 @@ def test_gpu_dense_part_decodes_as_the_cpu(gpu, silu_file, sparsity):
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("this onnxruntime has no CUDA provider (install onnxruntime-gpu in its place)")
     ids = list(range(5, 37))
-    want_model = Model(silu_file, RuntimeOptions(sparsity=sparsity, kernels=True, threads=1, device="cpu"))
+    want_model = Model(silu_file, RuntimeOptions(sparsity=sparsity, kernels="on", threads=1, device="cpu"))
     want = want_model.forward(ids[:8], logits_from=0), _decode(want_model, ids)
     for budget in (1.0, 3e-5):
         m = Model(silu_file, RuntimeOptions(sparsity=sparsity, threads=1, device="gpu", vram_budget=budget,

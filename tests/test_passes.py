@@ -146,19 +146,19 @@ def test_kernel_decode_agrees_with_the_numpy_rules(silu_file, relu_files, which,
     """Decode through the fused C kernel (int8 activations) against the ONNX graph + NumPy rule
     path on the same file: same tokens chosen, the same share of rows read."""
     path = silu_file[1] if which == "silu" else relu_files["hot-first"]
-    models = {k: Model(path, RuntimeOptions(sparsity=sparsity, kernels=k, threads=1)) for k in (False, True)}
-    assert all(f is not None for f in models[True].ffns) and not any(models[False].ffns)
-    ids = _ids(models[False], 40)
+    models = {k: Model(path, RuntimeOptions(sparsity=sparsity, kernels=k, threads=1)) for k in ("off", "on")}
+    assert all(f is not None for f in models["on"].ffns) and not any(models["off"].ffns)
+    ids = _ids(models["off"], 40)
     logits = {}
     for k, m in models.items():
         m.forward(ids[:8])
         m.counters.reset()
         logits[k] = np.stack([m.forward([t]) for t in ids[8:]])
-    top1 = (logits[True].argmax(-1) == logits[False].argmax(-1)).mean()
+    top1 = (logits["on"].argmax(-1) == logits["off"].argmax(-1)).mean()
     assert top1 >= 0.9, top1
-    spread = np.abs(logits[False]).max()
-    assert np.abs(logits[True] - logits[False]).max() < 0.1 * spread
-    (gu_a, dn_a), (gu_b, dn_b) = models[False].counters.fractions(), models[True].counters.fractions()
+    spread = np.abs(logits["off"]).max()
+    assert np.abs(logits["on"] - logits["off"]).max() < 0.1 * spread
+    (gu_a, dn_a), (gu_b, dn_b) = models["off"].counters.fractions(), models["on"].counters.fractions()
     assert abs(gu_a - gu_b) < 0.05 and abs(dn_a - dn_b) < 0.05, (gu_a, dn_a, gu_b, dn_b)
 
 
@@ -173,21 +173,21 @@ def test_weight_bytes_per_token_follow_the_rows_read(silu_file):
     gate_up, down, pred = size(S.FFN_GATE_UP), size(S.FFN_DOWN_T), size(S.FFN_PRED_W1, S.FFN_PRED_W2, S.FFN_PRED_B2)
     ids = _ids(Model(path, RuntimeOptions(kernels="off", sparsity="dense")), 16)
     got = {}
-    for mode, kernels in (("dense", False), ("down:0.5", False), ("predicted:0.99", False), ("predicted:0.99", True)):
+    for mode, kernels in (("dense", "off"), ("down:0.5", "off"), ("predicted:0.99", "off"), ("predicted:0.99", "on")):
         m = Model(path, RuntimeOptions(sparsity=mode, kernels=kernels, threads=1))
         m.forward(ids[:4])
         m.counters.reset()
         for t in ids[4:]:
             m.forward([t])
         got[mode, kernels] = (m.weight_bytes_per_token(), m.counters.fractions(), m.counters.read_fractions())
-    dense = got["dense", False][0]
-    _, (gu, dn), read = got["down:0.5", False]
+    dense = got["dense", "off"][0]
+    _, (gu, dn), read = got["down:0.5", "off"]
     assert gu == 1.0 and dn < 0.6 and read == (1.0, 1.0)
-    assert got["down:0.5", False][0] == pytest.approx(dense)
-    assert got["predicted:0.99", False][0] == pytest.approx(dense + pred)
-    _, (gu, dn), (read_gu, read_dn) = got["predicted:0.99", True]
+    assert got["down:0.5", "off"][0] == pytest.approx(dense)
+    assert got["predicted:0.99", "off"][0] == pytest.approx(dense + pred)
+    _, (gu, dn), (read_gu, read_dn) = got["predicted:0.99", "on"]
     assert gu < 1.0 and dn < 1.0 and read_gu == gu and dn <= read_dn <= 1.0
-    assert got["predicted:0.99", True][0] == pytest.approx(dense - gate_up * (1 - gu) - down * (1 - read_dn) + pred)
+    assert got["predicted:0.99", "on"][0] == pytest.approx(dense - gate_up * (1 - gu) - down * (1 - read_dn) + pred)
 
 
 def test_bad_sparsity_and_calibration_input_get_one_sentence(silu_file, tmp_path):
