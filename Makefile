@@ -12,7 +12,7 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 # torch is pinned to the CPU build that pip finds locally (a bare `torch` pulls a multi-GB CUDA
 # build); for a CUDA machine see README.md.
 # constraints.txt: the versions the suite is validated with.
-$(VENV)/.installed: pyproject.toml setup.py constraints.txt kernels/csrc/*.c kernels/csrc/*.h
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt pinfer/kernels/csrc/*.c pinfer/kernels/csrc/*.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -46,4 +46,4 @@ bench: install $(SMOLLM2)
 	$(PY) benchmarks/smollm2_vs_llamacpp.py --model $(SMOLLM2) --llama-python .venv-llama/bin/python --q4-0
 
 clean:
-	rm -rf $(VENV) build *.egg-info kernels/*.so
+	rm -rf $(VENV) build *.egg-info pinfer/kernels/*.so

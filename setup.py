@@ -1,4 +1,4 @@
-"""Builds pinfer's CPU kernels (kernels/csrc) as part of `pip install`; metadata is in pyproject.toml."""
+"""Builds pinfer's CPU kernels (pinfer/kernels/csrc) as part of `pip install`; metadata is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -6,8 +6,8 @@ setup(
     ext_modules=[
         Extension(
             "pinfer.kernels._kernels",
-            sources=["kernels/csrc/ffn_down.c", "kernels/csrc/ffn_sparse.c"],
-            depends=["kernels/csrc/half.h"],
+            sources=["pinfer/kernels/csrc/ffn_down.c", "pinfer/kernels/csrc/ffn_sparse.c"],
+            depends=["pinfer/kernels/csrc/half.h"],
             extra_compile_args=["-O3", "-fopenmp", "-std=c11", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
         )

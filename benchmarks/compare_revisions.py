@@ -23,7 +23,20 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("formats", "converter", "runtime", "cli", "kernels")
+PACKAGES = ("formats", "converter", "runtime", "cli")
+
+
+def kernel_dir(tree):
+    """The kernels' folder of a checkout: pinfer/kernels/, or kernels/ at the top in revisions
+    before it moved."""
+    return tree / "pinfer" / "kernels" if (tree / "pinfer" / "kernels").is_dir() else tree / "kernels"
+
+
+def same_files(a, b):
+    """Whether folders a and b hold the same files with the same bytes."""
+    fa = {p.relative_to(a): p for p in a.rglob("*") if p.is_file()}
+    fb = {p.relative_to(b): p for p in b.rglob("*") if p.is_file()}
+    return fa.keys() == fb.keys() and all(fa[k].read_bytes() == fb[k].read_bytes() for k in fa)
 
 CHILD = r'''
 import json, math, sys, time
@@ -72,6 +85,7 @@ def pyroot(tree, dest):
     pkg.mkdir(parents=True)
     for name in PACKAGES:
         (pkg / name).symlink_to(tree / name)
+    (pkg / "kernels").symlink_to(kernel_dir(tree))
     for f in (tree / "pinfer").glob("*.py"):
         (pkg / f.name).symlink_to(f)
     return dest
@@ -98,12 +112,11 @@ def main(argv=None):
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), a.rev], check=True,
                        capture_output=True)
         try:
-            diff = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", a.rev, "--", "kernels/csrc"])
-            if diff.returncode:
-                sys.exit(f"compare_revisions: kernels/csrc differs between {a.rev} and the working tree; "
+            if not same_files(kernel_dir(old) / "csrc", kernel_dir(ROOT) / "csrc"):
+                sys.exit(f"compare_revisions: the C kernels differ between {a.rev} and the working tree; "
                          "the copied build would not be the revision's")
-            for so in (ROOT / "kernels").glob("_kernels*.so"):
-                shutil.copy(so, old / "kernels" / so.name)
+            for so in kernel_dir(ROOT).glob("_kernels*.so"):
+                shutil.copy(so, kernel_dir(old) / so.name)
             roots = {"before": pyroot(old, tmp / "root-old"), "after": pyroot(ROOT, tmp / "root-new")}
             q = {side: run(root, "quality", a, 1) for side, root in roots.items()}
             same = q["before"] == q["after"]

@@ -1,4 +1,4 @@
-"""pinfer's GPU FFN kernel (kernels/cuda/ffn_hot.cu) on one layer, against the device's own copy
+"""pinfer's GPU FFN kernel (pinfer/kernels/cuda/ffn_hot.cu) on one layer, against the device's own copy
 bandwidth measured in the same run.
 
     python benchmarks/gpu_kernel.py [--shapes 7b,13b] [--active 1.0,0.1] [--calls 200]

@@ -15,9 +15,9 @@ def _modules():
     """{module name: file} of every pinfer module under the packages' folders."""
     out = {}
     for pkg in ORDER:
-        for f in sorted((ROOT / pkg).rglob("*.py")):
-            rel = f.relative_to(ROOT).with_suffix("")
-            parts = list(rel.parts)
+        folder = ROOT / "pinfer" / pkg if pkg == "kernels" else ROOT / pkg
+        for f in sorted(folder.rglob("*.py")):
+            parts = [pkg, *f.relative_to(folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             out["pinfer." + ".".join(parts)] = f

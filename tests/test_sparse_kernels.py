@@ -1,4 +1,4 @@
-"""pinfer's sparse FFN kernel (kernels/csrc/ffn_sparse.c) against a NumPy reference on the same
+"""pinfer's sparse FFN kernel (pinfer/kernels/csrc/ffn_sparse.c) against a NumPy reference on the same
 block-format weights: every gate/up and down format, every mode, each instruction set this CPU
 has, odd sizes, empty and full active sets, and the same bits at any thread count."""
 

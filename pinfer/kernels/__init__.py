@@ -1,6 +1,6 @@
 """pinfer's CPU kernels: a small C library built by `pip install`, called through ctypes.
 
-Each wrapper checks shapes, dtypes and contiguity once, at this boundary (kernels/csrc says the
+Each wrapper checks shapes, dtypes and contiguity once, at this boundary (pinfer/kernels/csrc says the
 layouts)."""
 
 import ctypes
@@ -53,7 +53,7 @@ _lib = _Library()
 MAX_D = 65536   # d_model the sparse FFN's stack buffers hold (ffn_sparse.c)
 MAX_BATCH = 64  # tokens of one batch call (ffn_sparse.c: a neuron's tokens are one 64-bit mask)
 
-# format -> (code in kernels/csrc/ffn_down.c, {part: (dtype, shape(n, d))})
+# format -> (code in pinfer/kernels/csrc/ffn_down.c, {part: (dtype, shape(n, d))})
 _DOWN_FORMATS = {
     "q8": (0, {"q": (np.uint8, lambda n, d: (n, d)), "scale": (np.float16, lambda n, d: (n, d // 32))}),
     "q8r": (1, {"q": (np.uint8, lambda n, d: (n, d)), "scale": (np.float16, lambda n, d: (n // 32, d))}),
@@ -110,7 +110,7 @@ class DownProjection:
         return lambda: f(*args)
 
 
-# -- the sparse FFN of one token (kernels/csrc/ffn_sparse.c) --------------------------------------
+# -- the sparse FFN of one token (pinfer/kernels/csrc/ffn_sparse.c) --------------------------------------
 
 SPARSE_MODES = {"dense": 0, "down": 1, "predicted": 2, "relu": 3, "given": 4}
 ISAS = ("portable", "avx2", "avx512")
@@ -124,13 +124,13 @@ _SPARSE_DOWN = ("q8", "q4", "q4r", "f16", "f32")
 
 
 class _Rows(ctypes.Structure):
-    """rows_t of kernels/csrc/ffn_sparse.c: W_down as (d, n_ff) rows, or q NULL."""
+    """rows_t of pinfer/kernels/csrc/ffn_sparse.c: W_down as (d, n_ff) rows, or q NULL."""
     _fields_ = [("fmt", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("min", ctypes.c_void_p), ("from_", ctypes.c_int64)]
 
 
 class _Call(ctypes.Structure):
-    """ffn_call_t of kernels/csrc/ffn_sparse.c."""
+    """ffn_call_t of pinfer/kernels/csrc/ffn_sparse.c."""
     _fields_ = [(name, t) for names, t in (
         (("mode", "act", "gu_fmt", "down_fmt"), ctypes.c_int),
         (("gu_q", "gu_scale", "gu_min", "dn_q", "dn_scale", "dn_min", "w1q", "w1s", "w2q", "w2s", "b2"),
@@ -154,7 +154,7 @@ def sparse_isa(want=None):
 
 class SparseFFN:
     """One layer's FFN for one token at a time: y (d) = down(rule(act(gate x) * up x)) over the
-    neurons the mode computes (kernels/csrc/ffn_sparse.c). Weights are checked here once."""
+    neurons the mode computes (pinfer/kernels/csrc/ffn_sparse.c). Weights are checked here once."""
 
     def __init__(self, gate_up, down, n_ff, d, act="silu", predictor=None, threads=1, down_rows=None,
                  rows_from=None):

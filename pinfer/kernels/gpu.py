@@ -1,4 +1,4 @@
-"""pinfer's CUDA kernels (kernels/cuda/ffn_hot.cu): compiled at run time by NVRTC, cached on disk,
+"""pinfer's CUDA kernels (pinfer/kernels/cuda/ffn_hot.cu): compiled at run time by NVRTC, cached on disk,
 launched through the CUDA driver API of cuda-python (the `gpu` extra). Nothing here needs torch,
 and everything but `Gpu` and `HotFFN` works on a machine without a GPU.
 

@@ -1,7 +1,7 @@
 /* The hot neurons of one layer's sparse FFN on the GPU, one token (decode). CUDA C for NVRTC: no
  * headers, fp16 through PTX conversions (sm_75 upward; no bf16).
  *
- * Layouts: the file's bundles (formats/schema.py, kernels/csrc/ffn_sparse.c) cut to the hot prefix
+ * Layouts: the file's bundles (formats/schema.py, pinfer/kernels/csrc/ffn_sparse.c) cut to the hot prefix
  * of k neurons (k a multiple of 32); d = d_model, r = predictor rank, G = 32:
  *   gate_up  FMT_Q4   q u8 (k, 2, d/2), scale f16 (k, 2, d/G), min f16 (k, 2, d/G) or null;
  *                     row 2j is neuron j's gate row, 2j+1 its up row; element 2b is the low nibble
@@ -16,7 +16,7 @@
  *   x f32 (d) in; hid f32 (r); cand i32 (k) + count; gu f32 (k, 2); hval f32 (k) (0 where dropped);
  *   surv i32 (k) + nsurv; y f32 (d) out; xq i8 (d), xs f32 (d/G), xsum f32 (d/G): x quantized
  *
- * One numerics contract with the CPU kernel (kernels/csrc/ffn_sparse.c), so that a rule picks the
+ * One numerics contract with the CPU kernel (pinfer/kernels/csrc/ffn_sparse.c), so that a rule picks the
  * same neurons on both: INT4 gate/up rows meet x quantized to int8 per group of 32 exactly as the
  * CPU quantizes it (scale amax/127, round to nearest even, IEEE division: no fast math), the
  * products summed as integers per group and scaled once per group; only the float sum over
@@ -37,7 +37,7 @@ typedef unsigned short f16;
 #define G 32
 #define AXPY_CHUNK 32
 
-enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };   /* kernels/__init__.py */
+enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };   /* pinfer/kernels/__init__.py */
 enum { ACT_SILU = 0, ACT_RELU = 1 };
 enum { RULE_ALL = 0, RULE_THRESHOLD = 1, RULE_NONZERO = 2 };
 
