@@ -71,11 +71,14 @@ def main(argv=None):
         k = min(n_ff, int(round(share * n_ff / 64)) * 64)
         need = reserved + sum(spec.nbytes(k) for spec in specs if spec is not None)
         m.options = replace(m.options, vram_budget=(need + 4096) / placement.GIB)   # + rounding slack
+        said = len(m.notes)
         if a.model:
-            m.set_sparsity("")          # plans, prints the plan, moves the hot neurons
+            m.set_sparsity("")          # plans, notes the plan, moves the hot neurons
         else:
             draw, _ = draws(mass[0], cfg.n_layer, a.tokens * a.repeats, rng)
             m.set_active_sets(draw, hotness=mass)
+        for note in m.notes[said:]:
+            print(note.describe(), file=sys.stderr)
         rates = [decode_rate(m, a.tokens) for _ in range(a.repeats)]
         hot = sum(m.plan.hot) / (cfg.n_layer * n_ff)
         on_gpu = float(np.mean([mass[i, :h].sum() / max(mass[i].sum(), 1e-12) for i, h in enumerate(m.plan.hot)]))

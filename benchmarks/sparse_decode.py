@@ -96,7 +96,7 @@ def main(argv=None):
         dense_rate = statistics.median(rates[0])
         for (mode, path, override, _), m, r in zip(variants, models, rates):
             if path == "auto":
-                path = "auto: " + "+".join(sorted({c["path"] for c in m.path_choices}) or ["dense"])
+                path = "auto: " + "+".join(sorted({c.path for c in m.path_choices}) or ["dense"])
             ppl, (gu, dn) = decode_ppl(m, text_ids) if threads == 1 and text_ids else (float("nan"), (math.nan,) * 2)
             # the file's rules as loaded: --ffn-kernel auto may have dropped them on this model
             names = models[variants.index((mode, "numpy", override, "off"))].sparsity_names if mode != "dense" else []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .common import fail_cleanly, placement_options, runtime_config
+from .common import fail_cleanly, placement_options, runtime_config, say_notes
 from .common import verbose as is_verbose
 
 
@@ -37,7 +37,9 @@ def command(ctx, model, n_prompt, n_gen, threads, repetitions, output, **kw):
         raise click.UsageError("nothing to measure: give -p or -n a positive length")
     with fail_cleanly(is_verbose(ctx)):
         header = PinfReader(model).header
-        results = run_bench(model, tests, _ints(threads), repetitions, options=runtime_config(kw))
+        options = runtime_config(kw)
+        results = run_bench(model, tests, _ints(threads), repetitions, options=options,
+                            on_load=lambda m: say_notes(m, options.verbose))
     c = header["config"]
     size_mb = model.stat().st_size / 1e6
     sparsity = kw.get("sparsity") or ("dense" if kw.get("dense") else header["sparsity"].get("mode", "dense"))

@@ -108,9 +108,21 @@ def sampler_config(kw):
 
 
 def open_session(path, kw):
+    """A loaded Session, its notes printed."""
     from pinfer.runtime.generate import Session
 
-    return Session(path, runtime_config(kw))
+    options = runtime_config(kw)
+    session = Session(path, options)
+    say_notes(session.model, options.verbose)
+    return session
+
+
+def say_notes(model, verbose):
+    """Print what loading chose (model.notes: device fallbacks, the GPU plan, autotune's
+    measurements), the quiet ones only with -v."""
+    for note in model.notes:
+        if verbose or not note.quiet:
+            err(note.describe())
 
 
 def err(msg):

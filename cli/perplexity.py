@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from .common import err, fail_cleanly, runtime_config, runtime_options
+from .common import err, fail_cleanly, runtime_config, runtime_options, say_notes
 from .common import verbose as is_verbose
 
 
@@ -25,7 +25,9 @@ def command(ctx, model, text_file, chunks, **kw):
 
     n_ctx = kw["n_ctx"] or 512
     with fail_cleanly(is_verbose(ctx)):
-        m = Model(model, replace(runtime_config(kw), n_ctx=n_ctx))
+        options = replace(runtime_config(kw), n_ctx=n_ctx)
+        m = Model(model, options)
+        say_notes(m, options.verbose)
         tok = Tokenizer.from_spec(m.tokenizer_spec)
         text = Path(text_file).read_text(encoding="utf-8")
         res = perplexity(m, tok, text, n_ctx=n_ctx, n_chunks=chunks,

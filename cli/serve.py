@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from .common import err, runtime_config, runtime_options
+from .common import err, runtime_config, runtime_options, say_notes
 
 
 @click.command("serve")
@@ -32,7 +32,8 @@ def command(model, host, port, api_key, max_tokens_limit, chat_template_file, he
     def load_failed(e):
         err(f"pinfer serve: {model.name} could not be loaded: {e}")
         os._exit(1)     # from the loading thread: uvicorn would otherwise keep answering
-    app = make_app(model, opts, on_load_error=load_failed)
+    app = make_app(model, opts, on_load_error=load_failed,
+                   on_loaded=lambda m: say_notes(m, opts.runtime.verbose))
     err(f"pinfer serve: {model.name} on http://{host}:{port}/v1 (not meant for production serving)")
     uvicorn.run(app, host=host, port=port, log_level="warning", http=header_timeout_protocol(header_timeout))
 

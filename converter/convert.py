@@ -316,30 +316,29 @@ def _ffn_bundles(src, n, gu_names, cfg, i, em, perm, quant):
     (docs/design.md §3), rows in file order: source order when perm is None, else row k holds source
     neuron perm[k]."""
     sel = (lambda a: a) if perm is None else (lambda a: a[perm])  # noqa: E731
-    items = _same_format([_linear(src, name) for name in gu_names])
-    fg, parts, floats = items[0][0], [p for _, p, _ in items], [x for _, _, x in items]
-    if quant == "fp16" or (quant == "int4" and fg != "q4"):
-        floats = [blocks.dequantize(fg, p) if x is None else x for _, p, x in items]
-        fg = "f16" if quant == "fp16" else "q4"
+    fm = PL.bundle_formats([src.ttype(name) for name in gu_names], src.ttype(n("ffn_down")), quant, perm is not None)
+    fg, floats = fm.gate_up[0], None
+    if fm.gate_up_carried:
+        parts = [src.block(name)[1] for name in gu_names]
+        parts = [blocks.with_min(p) for p in parts] if fm.gate_up[1] else parts
+    else:
+        floats = [src.floats(name) for name in gu_names]
         parts = [blocks.quantize(fg, x) for x in floats]
-    if fg == "q4" and any("min" in p for p in parts):
-        parts = [blocks.with_min(p) for p in parts]
     gate_up = {p: sel(np.stack([q[p] for q in parts], axis=1)) for p in parts[0]}
     em.put(S.FFN_GATE_UP.format(i), fg, gate_up,
-           None if floats[0] is None else sel(np.stack(floats, axis=1)).reshape(len(parts) * cfg.n_ff, -1))
+           None if floats is None else sel(np.stack(floats, axis=1)).reshape(len(parts) * cfg.n_ff, -1))
     # down_t (n_ff, d_model): column j of W_down as row j. GGUF's groups run along n_ff, so the
     # exact carry-over uses the row-grouped formats, which only source order keeps (float rows
     # move freely); otherwise rows are re-quantized along d_model (4-bit stays 4-bit).
-    t = src.tensor(n("ffn_down"))
-    exact = blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
-    if exact is not None and PL.carries_down(quant, exact[0], perm is not None):
-        em.put(S.FFN_DOWN_T.format(i), exact[0], {p: sel(a) for p, a in exact[1].items()})
+    if fm.down_carried:
+        t = src.tensor(n("ffn_down"))
+        fmt, exact = blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
+        em.put(S.FFN_DOWN_T.format(i), fmt, {p: sel(a) for p, a in exact.items()})
         return
     # Re-quantizing 4-bit values to 4 bits along the other axis compounds two rounding errors
     # (SmolLM2 reordered: top-1 agreement with the source fell to 74%); auto keeps 8 bits.
     down_t = sel(src.floats(n("ffn_down")).T)
-    fmt = "f16" if quant == "fp16" else "q4" if quant == "int4" else "q8"
-    em.put(S.FFN_DOWN_T.format(i), fmt, blocks.quantize(fmt, down_t), down_t)
+    em.put(S.FFN_DOWN_T.format(i), fm.down[0], blocks.quantize(fm.down[0], down_t), down_t)
 
 
 def _mixed_bundles(src, n, gu_names, cfg, i, em, perm, hot):

@@ -20,6 +20,7 @@ inside the file. ONNX graphs are stored as uint8 tensors named GRAPH.format(name
 """
 
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,7 +55,7 @@ HEADER_KEYS = ("config", "tokenizer", "weights", "ffn", "sparsity", "layers", "p
 #   q4:  q u8 (rows, K/2)   element 2i in the low nibble of byte i, 2i+1 in the high nibble
 #        scale f16 (rows, K/GROUP)
 #        min f16 (rows, K/GROUP), optional: value = scale*q + min; without it scale*(q - 8)
-#   q8:  q i8 (rows, K), scale f16 (rows, K/GROUP): value = scale*q
+#   q8:  q u8 (rows, K) holding q + 128, scale f16 (rows, K/GROUP): value = scale*q
 #   f16: w f16 (rows, K)
 #   f32: w f32 (rows, K)
 # The "r" formats group along rows instead (groups of GROUP rows share a scale per column). They
@@ -71,6 +72,31 @@ BLOCK_FORMATS = {
     "f16": ("w",),
     "f32": ("w",),
 }
+OPTIONAL_PARTS = ("min",)       # q4 and q4r without it: value = scale*(q - 8)
+
+
+def block_parts(fmt, rows, k, has_min=True):
+    """{part: (dtype code, shape)} of a (rows, k) weight in block format `fmt`, as the table above
+    says: the one byte model of the formats (the reader, the kernels' checks, the planner's bytes
+    per token and the GPU's allocations all derive from it)."""
+    g = GROUP
+    by_row, by_group = (rows, k // g), (rows // g, k)
+    parts = {
+        "q4": {"q": ("u8", (rows, k // 2)), "scale": ("f16", by_row), "min": ("f16", by_row)},
+        "q8": {"q": ("u8", (rows, k)), "scale": ("f16", by_row)},
+        "q4r": {"q": ("u8", (rows, k // 2)), "scale": ("f16", by_group), "min": ("f16", by_group)},
+        "q8r": {"q": ("u8", (rows, k)), "scale": ("f16", by_group)},
+        "f16": {"w": ("f16", (rows, k))},
+        "f32": {"w": ("f32", (rows, k))},
+    }[fmt]
+    if not has_min:
+        parts.pop("min", None)
+    return parts
+
+
+def block_nbytes(fmt, rows, k, has_min=True):
+    """Bytes of a (rows, k) weight in `fmt`."""
+    return sum(DTYPES[dt].itemsize * int(np.prod(shape)) for dt, shape in block_parts(fmt, rows, k, has_min).values())
 
 # Tensor-name templates (GGUF style, so names read the same as in the source file).
 TOKEN_EMBD = "token_embd"                   # (vocab, d_model) rows looked up per token
@@ -110,7 +136,30 @@ GRAPH = "graph.{}"                          # serialized onnx.ModelProto, u8 (nb
 #   predicted  gate/up rows of the predictor's candidates (score >= the threshold calibrated for the
 #              mass-recall target `value`); among them the down rule at header sparsity.predictor_sparsity
 #   relu       candidates as predicted; among them h != 0 (exact for ReLU-family models)
-SPARSITY_MODES = ("dense", "down", "predicted", "relu")
+# and, at run time only, given: the candidates a caller supplies (benchmarks' synthetic active
+# sets, the CPU's cold half of a split layer), among them the down rule.
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What a sparsity mode computes: the one table every part of pinfer reads."""
+    code: int           # its number in the C and CUDA kernels (MODE_* in ffn_sparse.c)
+    candidates: str     # the neurons considered: "all", the "predictor"'s, or those "given"
+    rule: str           # which of them reach the down projection: "all", "threshold" (|h| >= t), "nonzero"
+
+    @property
+    def uses_predictor(self):
+        return self.candidates == "predictor"
+
+
+MODES = {
+    "dense": Mode(0, "all", "all"),
+    "down": Mode(1, "all", "threshold"),
+    "predicted": Mode(2, "predictor", "threshold"),
+    "relu": Mode(3, "predictor", "nonzero"),
+    "given": Mode(4, "given", "threshold"),
+}
+SPARSITY_MODES = tuple(m for m, spec in MODES.items() if spec.candidates != "given")   # what a file holds
 
 
 def parse_mode(text):

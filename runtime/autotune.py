@@ -1,9 +1,11 @@
 """--ffn-kernel auto: at load, time each sparse rule's layers three ways (the fused kernel under the
 rule, the kernel over every neuron, ONNX Runtime's dense graph) and keep the rule only where it is
-clearly faster; then time prompts through the kernel's batch call against the dense graphs."""
+clearly faster; then time prompts through the kernel's batch call against the dense graphs. It
+prints nothing: what it measured and chose comes back as records (PathChoice, PrefillChoice) that
+the model keeps in its notes and the CLI prints."""
 
-import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,6 +21,41 @@ PREFILL_SIZES = (2, 4, 8, 16, 32, 64)       # 64: kernels.MAX_BATCH, the most to
 TIMING_TEXT = ("The history of the city begins in the early middle ages , when a small market grew around the "
                "river crossing . Its people traded wool , grain and salt , and by the year 1200 the town had a "
                "church , a bridge and a wall")
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """How one rule's layers decode, from their timed ratios to ONNX Runtime's dense path."""
+    rule: str
+    layers: int
+    tokens: int                     # timed tokens the medians are over
+    path: str                       # "kernel", "kernel-dense" or "dense"
+    kernel_over_dense: float
+    kernel_dense_over_dense: float
+    threads: int
+    quiet = False                   # said without -v too
+
+    def describe(self):
+        does = {"kernel": f"decoding through the kernel under {self.rule}",
+                "kernel-dense": "running these layers dense through the kernel (rule dropped)",
+                "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[self.path]
+        return (f"ffn: {self.rule} on {self.layers} layers, time against ONNX Runtime's dense path here "
+                f"({self.threads} thread{'s' * (self.threads > 1)}, median of {self.tokens} tokens): fused kernel "
+                f"{self.kernel_over_dense:.2f}x, its dense mode {self.kernel_dense_over_dense:.2f}x: {does}")
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """Up to which prompt length the kernel's batch call takes prompts, from timed ratios."""
+    times: tuple                    # ((prompt tokens, kernel time / dense graphs' time), ...)
+    up_to: int                      # 0: every prompt through the dense graphs
+    quiet = False
+
+    def describe(self):
+        said = ", ".join(f"{n}: {r:.2f}x" for n, r in self.times)
+        return (f"ffn: prompt time of the kernel's batch call against the dense graphs ({said}): "
+                + (f"prompts of up to {self.up_to} tokens go through the kernel, longer ones through the dense "
+                   "graphs" if self.up_to else "prompts go through the dense graphs"))
 
 
 def choose_path(rule_r, dense_r, keep_below=None):
@@ -55,34 +92,29 @@ def choose_paths(model):
     MatMulNBits ("dense"). A rule's layers keep the kernel and the rule only where their summed
     time is under KEEP_BELOW of the faster exact way (median over tokens); otherwise they run
     the faster exact way, rule dropped, the kernel's dense mode only where it is under
-    KEEP_BELOW of the graph's. Each choice is printed and kept in path_choices; where a kernel
-    stays, prompts of up to prefill_by_token tokens take its batch call (choose_prefill)."""
+    KEEP_BELOW of the graph's. Returns the PathChoice records (then the PrefillChoice, where a
+    kernel stays: prompts of up to prefill_by_token tokens take its batch call)."""
     groups = {}
     for i, f in enumerate(model.ffns):
         if f is not None:
             groups.setdefault(model.rules[i].rule.name, []).append(i)
     spent = _time_ways(model, groups)
+    choices = []
     for name, layers in groups.items():
         times = np.asarray(spent[name])
         rule_r, dense_r = (float(np.median(times[:, k] / times[:, 2])) for k in (0, 1))
         path = choose_path(rule_r, dense_r)
-        model.path_choices.append({"rule": name, "layers": len(layers), "tokens": len(times), "path": path,
-                                   "kernel_over_dense": rule_r, "kernel_dense_over_dense": dense_r})
+        choices.append(PathChoice(name, len(layers), len(times), path, rule_r, dense_r, model.threads))
         if path != "kernel":
             for i in layers:
                 model.rules[i] = LayerRule(model.reader, model.reader.header, i, Rule("dense"), model.counters)
                 model.ffns[i] = model.ffns[i].dense() if path == "kernel-dense" else None
-        does = {"kernel": f"decoding through the kernel under {name}",
-                "kernel-dense": "running these layers dense through the kernel (rule dropped)",
-                "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[path]
-        print(f"ffn: {name} on {len(layers)} layers, time against ONNX Runtime's dense path here ({model.threads} "
-              f"thread{'s' * (model.threads > 1)}, median of {len(times)} tokens): fused kernel {rule_r:.2f}x, "
-              f"its dense mode {dense_r:.2f}x: {does}", file=sys.stderr)
     model.unbind()
     if any(model.ffns):
-        choose_prefill(model)
-    elif not model.devices.on_device:
+        return choices + [choose_prefill(model)]
+    if not model.devices.on_device:
         model.attn = None        # the attention-only sessions go unused
+    return choices
 
 
 def _time_ways(model, groups):
@@ -129,7 +161,7 @@ def choose_prefill(model):
     batch call over the union of the tokens' candidates beats the dense graphs' batched prompt
     processing, both timed here (best of two); prompts up to it take the batch call. As the
     union grows with the prompt and the dense graphs' cost per token falls, the first length
-    where the kernel loses ends the search, as does PREFILL_BUDGET_S."""
+    where the kernel loses ends the search, as does PREFILL_BUDGET_S. Returns a PrefillChoice."""
     ids = timing_tokens(model.tokenizer_spec, model.cfg.vocab, PREFILL_SIZES[-1])
     chosen, times, t_start = 0, [], time.perf_counter()
     for n in PREFILL_SIZES:
@@ -155,7 +187,4 @@ def choose_prefill(model):
     model.prefill_times = times
     model.reset()
     model.counters.reset()
-    said = ", ".join(f"{n}: {r:.2f}x" for n, r in times)
-    print(f"ffn: prompt time of the kernel's batch call against the dense graphs ({said}): "
-          + (f"prompts of up to {chosen} tokens go through the kernel, longer ones through the dense graphs"
-             if chosen else "prompts go through the dense graphs"), file=sys.stderr)
+    return PrefillChoice(tuple(times), chosen)

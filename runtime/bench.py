@@ -22,14 +22,17 @@ class BenchResult:
     bytes_per_token: int  # weight bytes one decode step reads (tg); all weights once per call (pp)
 
 
-def run_bench(path, tests, threads, repetitions=5, seed=0, options=RuntimeOptions()):
+def run_bench(path, tests, threads, repetitions=5, seed=0, options=RuntimeOptions(), on_load=None):
     """tests: [("pp", 512), ("tg", 128), ...]; returns a BenchResult per (test, thread count).
-    options: how the model runs (its n_ctx and threads are set here)."""
+    options: how the model runs (its n_ctx and threads are set here); on_load(model) is called as
+    each thread count's model has loaded (pinfer bench prints its notes)."""
     out = []
     rng = np.random.default_rng(seed)
     for t in threads:
         need = max(n for _, n in tests) + 1
         model = Model(path, replace(options, n_ctx=max(need, 16), threads=t))
+        if on_load is not None:
+            on_load(model)
         nbytes = weight_bytes_per_token(model.reader, model.cfg)     # until a decode test counts rows
         vocab = model.cfg.vocab
         for kind, n in tests:

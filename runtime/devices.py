@@ -1,23 +1,22 @@
 """Where a model runs: the FFN's hot neurons (the CPU, an NVIDIA GPU, or a second CPU kernel that
 checks the split without one), the dense part (ONNX Runtime's CPU provider in FP32 or FP16, its
 CUDA provider in FP16, or the GPU's code path emulated on the CPU), the sessions built for that
-place, and the VRAM plan of the hot neurons (printed before the weights move)."""
-
-import sys
+place, and the VRAM plan of the hot neurons (noted before the weights move)."""
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
 from . import placement
+from .options import Note
 from .ort import Bound, DeviceEmulation, drop_output, session_options
-
 
 
 class Devices:
     def __init__(self, reader, cfg, options):
         self.reader, self.cfg, self.options = reader, cfg, options
         self.gpu = None
+        self.notes = []                 # Note records of what was chosen, for the CLI to print
         self.ffn = self._choose_ffn_device(options)
         self.dense = self._choose_dense_device(options)
         self.act_dtype = np.float16 if self.dense != "cpu" else np.float32   # resid, KV, RoPE tables
@@ -40,8 +39,7 @@ class Devices:
         except GpuError as e:
             if options.device == "gpu":
                 raise
-            if options.verbose:
-                print(f"pinfer: running on the CPU ({e})", file=sys.stderr)
+            self.notes.append(Note(f"pinfer: running on the CPU ({e})", quiet=True))
             return "cpu"
         return "gpu"
 
@@ -105,7 +103,7 @@ class Devices:
         return bound
 
     def plan(self, modes, hotness=None):
-        """The hot/cold split for this machine (placement.Plan), printed before the weights move."""
+        """The hot/cold split for this machine (placement.Plan), noted before the weights move."""
         budget = self.options.vram_budget
         if budget is None:
             if self.gpu is None:
@@ -118,14 +116,16 @@ class Devices:
             budget_bytes = int(budget * placement.GIB)
         self.specs = placement.layer_specs(self.reader, self.cfg, modes)
         plan = placement.plan(self.reader, self.cfg, modes, budget_bytes, self.reserved(), mass=hotness)
-        if self.ffn == "gpu" or self.options.verbose:
-            g = self.gpu
-            where = (f"GPU {g.name} (sm_{g.arch}, kernels {g.compiled.kind} "
-                     f"{'from the cache' if g.compiled.cached else 'compiled now'})" if g
-                     else "a second CPU kernel (cpu-split)")
-            dense = ("the GPU (ONNX Runtime's CUDA provider, FP16)" if self.dense == "gpu"
-                     else "the CPU (ONNX Runtime's CPU provider)")
-            print(f"{plan.describe()}\n  hot part on {where}; dense part and KV cache on {dense}", file=sys.stderr)
+        g = self.gpu
+        where = (f"GPU {g.name} (sm_{g.arch}, kernels {g.compiled.kind} "
+                 f"{'from the cache' if g.compiled.cached else 'compiled now'})" if g
+                 else "a second CPU kernel (cpu-split)")
+        dense = {"gpu": "the GPU (ONNX Runtime's CUDA provider, FP16)",
+                 "emulated-gpu": "the CPU, through the GPU's code path (emulated-gpu, FP16 graphs)",
+                 "cpu-fp16": "the CPU (ONNX Runtime's CPU provider, FP16 graphs)"}.get(
+                     self.dense, "the CPU (ONNX Runtime's CPU provider)")
+        self.notes.append(Note(f"{plan.describe()}\n  hot part on {where}; dense part and KV cache on {dense}",
+                               quiet=self.ffn != "gpu"))
         self._free_before = self.gpu.mem_info()[0] if self.gpu else 0
         return plan
 
@@ -144,8 +144,8 @@ class Devices:
         dense = sum(self.reserved().values())
         said = (f"; dense part: planned {mib(dense)}, the device's free memory fell by "
                 f"{mib(self.dense_measured)} while ONNX Runtime loaded it" if dense else "")
-        print(f"VRAM: FFN hot neurons planned {mib(plan.total - dense)}, allocated {mib(self.gpu.allocated)} "
-              f"(the device's free memory fell by {mib(used)}){said}", file=sys.stderr)
+        self.notes.append(Note(f"VRAM: FFN hot neurons planned {mib(plan.total - dense)}, allocated "
+                               f"{mib(self.gpu.allocated)} (the device's free memory fell by {mib(used)}){said}"))
 
     @staticmethod
     def release(ffns):

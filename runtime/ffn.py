@@ -34,7 +34,7 @@ def layer_kernel(model, i, mode):
     on the GPU (or a second CPU kernel with device cpu-split) and the rest on the CPU."""
     r, cfg, dv = model.reader, model.cfg, model.devices
     parts = (r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i)), None)
-    if mode in ("predicted", "relu"):
+    if S.MODES[mode].uses_predictor:
         parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i))[1], r.block(S.FFN_PRED_W2.format(i))[1],
                               r.tensor(S.FFN_PRED_B2.format(i))),)
     k = model.plan.hot[i] if model.plan else 0

@@ -45,6 +45,7 @@ class Model:
         self.options = options
         self.use_kernels = options.kernels
         self.devices = dv = Devices(r, cfg, options)
+        self.notes = dv.notes       # what loading chose (Note, autotune's records): the CLI prints them
         self.plan, self.ffns, self.steps = None, [], None
         # With the dense part on a device only the attention graphs go there (the full graphs would
         # copy every gate/up row into VRAM): every token, prompt ones too, takes the decode path.
@@ -70,9 +71,11 @@ class Model:
                                 self.counters) for i in range(self.cfg.n_layer)]
         self._place([rule.rule.mode for rule in self.rules],
                     lambda: [fused_ffn(self, i) for i in range(self.cfg.n_layer)])
-        self.path_choices = []      # what --ffn-kernel auto measured and chose, one entry per rule
+        self.path_choices = []      # what --ffn-kernel auto measured and chose, one PathChoice per rule
         if self.use_kernels == "auto" and self.devices.ffn == "cpu" and not self.devices.on_device and any(self.ffns):
-            autotune.choose_paths(self)
+            chosen = autotune.choose_paths(self)
+            self.path_choices = [c for c in chosen if isinstance(c, autotune.PathChoice)]
+            self.notes += chosen
 
     def set_active_sets(self, draw, hotness=None):
         """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending
@@ -108,7 +111,7 @@ class Model:
         before any call): on the NumPy-rule path every FFN row, with the fused kernel the rows it keeps."""
         return accounting.weight_bytes_per_token(
             self.reader, self.cfg, self.counters.read_fractions(),
-            {i for i, r in enumerate(self.rules) if r.rule.mode in ("predicted", "relu")})
+            {i for i, r in enumerate(self.rules) if S.MODES[r.rule.mode].uses_predictor})
 
     @property
     def sparsity_names(self):

@@ -45,3 +45,15 @@ class RuntimeOptions:
             raise ValueError(f"--vram-budget {self.vram_budget:g} GiB is negative; give the GiB the GPU may use")
         if self.n_ctx < 0 or self.threads < 0:
             raise ValueError("the context size and the thread count are 0 (the default) or more")
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something loading decided that the user may want to read (a device fallback, the GPU
+    plan, VRAM as allocated). The runtime prints nothing: a model keeps its notes (with
+    autotune's records, which read the same way) and the CLI prints them, the quiet ones with -v."""
+    text: str
+    quiet: bool = False
+
+    def describe(self):
+        return self.text

@@ -125,7 +125,7 @@ def layer_specs(reader, cfg, rules):
         gf, gp = reader.block(S.FFN_GATE_UP.format(i))
         df, dp = reader.block(S.FFN_DOWN_T.format(i))
         rank = 0
-        if rules[i] in ("predicted", "relu"):
+        if S.MODES[rules[i]].uses_predictor:
             rank = reader.block(S.FFN_PRED_W1.format(i))[1]["q"].shape[0]
         spec = HotSpec(cfg.d_model, cfg.n_ff, (gf, "min" in gp), (df, "min" in dp), rank)
         why = spec.supported()

@@ -99,8 +99,9 @@ class Engine:
     """The model, loaded in the background, a one-thread executor that serializes generations and
     one that renders and tokenizes prompts, so that neither blocks the event loop (/health)."""
 
-    def __init__(self, path, options, on_load_error=None):
+    def __init__(self, path, options, on_load_error=None, on_loaded=None):
         self.path, self.options = path, options
+        self.on_loaded = on_loaded
         self.session = None
         self.error = None
         self.ready = threading.Event()
@@ -113,6 +114,8 @@ class Engine:
     def _load(self):
         try:
             self.session = Session(self.path, self.options.runtime)
+            if self.on_loaded is not None:
+                self.on_loaded(self.session.model)
         except Exception as e:  # reported by /health and every request, or on_load_error
             self.error = e
             if self.on_load_error is not None:
@@ -394,12 +397,13 @@ class _Api:
         return JSONResponse({"status": "ok"})
 
 
-def make_app(path, options=ServerOptions(), on_load_error=None):
+def make_app(path, options=ServerOptions(), on_load_error=None, on_loaded=None):
     """The Starlette app. on_load_error(exception): called on the loading thread if the model
-    fails to load (pinfer serve prints the reason and exits); without it /health says so."""
+    fails to load (pinfer serve prints the reason and exits); without it /health says so.
+    on_loaded(model): called there once it has loaded (pinfer serve prints its notes)."""
     from pathlib import Path
 
-    engine = Engine(path, options, on_load_error)
+    engine = Engine(path, options, on_load_error, on_loaded)
     api = _Api(engine, options, options.model_id or Path(path).stem)
     app = Starlette(routes=[
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),

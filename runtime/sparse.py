@@ -102,16 +102,17 @@ class LayerRule:
         if rule.mode == "dense":
             return
         thresholds = info.get("thresholds")
-        if rule.mode in ("down", "predicted") and not thresholds:
+        thresholded = S.MODES[rule.mode].rule == "threshold"
+        if thresholded and not thresholds:
             raise ValueError(f"layer {layer} has no calibrated thresholds; the file was converted with "
                              "--sparsity none: convert again with calibration to use sparsity")
         key = rule.value if rule.mode == "down" else header["sparsity"]["predictor_sparsity"]
-        if rule.mode in ("down", "predicted"):
+        if thresholded:
             if f"{key:g}" not in thresholds:
                 raise ValueError(f"no threshold for sparsity {key:g} in layer {layer}; "
                                  f"calibrated: {', '.join(thresholds)}")
             self.threshold = np.float32(thresholds[f"{key:g}"])
-        if rule.mode in ("predicted", "relu"):
+        if S.MODES[rule.mode].uses_predictor:
             pinfo = info.get("predictor")
             if not pinfo or S.FFN_PRED_B2.format(layer) not in reader:
                 raise ValueError(f"layer {layer} has no predictor; convert with calibration to use {rule.mode}")

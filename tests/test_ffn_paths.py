@@ -31,22 +31,24 @@ def _opts(**kw):
 
 @pytest.mark.parametrize("sparsity", ["down:0.3", "predicted:0.99"])
 def test_auto_runs_what_it_reports(silu_file, sparsity, capfd):
-    """Whatever the timing chose, the model decodes as the way it names."""
+    """Whatever the timing chose, the model decodes as the way it names; the choice is a record in
+    the model's notes, and the runtime prints nothing."""
     m = Model(silu_file, _opts(sparsity=sparsity))
-    err = capfd.readouterr().err
+    assert capfd.readouterr().err == ""
     [choice] = m.path_choices
-    assert choice["rule"] == sparsity and choice["layers"] == 2 and choice["tokens"] >= 3
-    assert choice["kernel_over_dense"] > 0 and choice["kernel_dense_over_dense"] > 0
-    assert f"ffn: {sparsity} on 2 layers, time against ONNX Runtime's dense path" in err
-    assert choice["path"] == choose_path(choice["kernel_over_dense"], choice["kernel_dense_over_dense"])
+    assert choice in m.notes and not choice.quiet
+    assert choice.rule == sparsity and choice.layers == 2 and choice.tokens >= 3
+    assert choice.kernel_over_dense > 0 and choice.kernel_dense_over_dense > 0
+    assert f"ffn: {sparsity} on 2 layers, time against ONNX Runtime's dense path" in choice.describe()
+    assert choice.path == choose_path(choice.kernel_over_dense, choice.kernel_dense_over_dense)
     got = _decode(m)
-    if choice["path"] == "kernel":
+    if choice.path == "kernel":
         want = _decode(Model(silu_file, _opts(sparsity=sparsity, kernels="on")))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), choice
         return
     assert m.sparsity_names == ["dense"]          # the rule is dropped
     want = _decode(Model(silu_file, _opts(sparsity="dense", kernels="off")))
-    if choice["path"] == "dense":
+    if choice.path == "dense":
         assert not any(m.ffns)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), choice
     else:                                         # the kernel's int8 activations against MatMulNBits'
@@ -68,7 +70,7 @@ def test_the_choice_prefers_the_exact_ways():
 def test_each_way_of_the_choice(silu_file, monkeypatch, keep_below, path):
     monkeypatch.setattr(autotune, "KEEP_BELOW", keep_below)
     m = Model(silu_file, _opts(sparsity="down:0.3"))
-    assert [c["path"] for c in m.path_choices] == [path]
+    assert [c.path for c in m.path_choices] == [path]
     assert all(m.ffns) == (path == "kernel") and any(m.ffns) == (path == "kernel")
     assert m.n_past == 0 and m.counters.full == 0      # the timing leaves no trace
     m.forward(IDS[:8])
@@ -86,7 +88,9 @@ def test_prompts_up_to_the_crossover_take_the_kernels_batch_call(silu_file, monk
     assert m.prefill_by_token in (0, 2, 4, 8, 16, 32, 64)
     lengths = [n for n, _ in m.prefill_times]
     assert lengths == list(autotune.PREFILL_SIZES[:len(lengths)]) and all(r > 0 for _, r in m.prefill_times)
-    assert "ffn: prompt time of the kernel's batch call against the dense graphs (2: " in capfd.readouterr().err
+    [said] = [n for n in m.notes if isinstance(n, autotune.PrefillChoice)]
+    assert said.up_to == m.prefill_by_token and said.times == tuple(m.prefill_times)
+    assert "ffn: prompt time of the kernel's batch call against the dense graphs (2: " in said.describe()
     ref = Model(silu_file, _opts(sparsity="down:0.3", kernels="on"))
     m.prefill_through_kernel(4)
     ref.reset()
@@ -111,6 +115,7 @@ def test_off_and_on_and_dense_files_time_nothing(silu_file, capfd):
                  _opts(sparsity="dense")):
         m = Model(silu_file, opts)
         assert m.path_choices == [] and m.prefill_by_token == 0
+        assert not any("ffn:" in n.describe() for n in m.notes)
     assert "ffn:" not in capfd.readouterr().err
     for bad in ("sometimes", True):         # checked when the options are made, not at load
         with pytest.raises(ValueError, match="not one of auto, on, off"):
@@ -123,3 +128,21 @@ def test_timing_tokens_are_words_of_the_vocabulary():
     assert ids[:4] == [1, 2, 3, 4] and len(ids) == 5      # "The", "Ġhistory", "Ġof", "▁the", then "city"
     spread = timing_tokens({}, 1000, 4)                     # no vocabulary in the spec: spread ids
     assert len(spread) == 4 and all(250 <= i < 1000 for i in spread)
+
+
+def test_the_cli_prints_what_loading_chose(silu_file):
+    """The runtime keeps its choices as notes; pinfer prints them, the quiet ones only with -v."""
+    import subprocess
+    import sys
+
+    def generate(*flags):
+        r = subprocess.run([sys.executable, "-m", "pinfer", *flags, "generate", str(silu_file), "-p", "hello", "-n", "2",
+                            "-t", "1", "--sparsity", "down:0.3", "--device", "auto"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stderr
+    quiet, verbose = generate(), generate("-v")
+    for err in (quiet, verbose):
+        assert "ffn: down:0.3 on 2 layers, time against ONNX Runtime's dense path" in err
+    assert "running on the CPU (" not in quiet
+    assert "running on the CPU (" in verbose or "placement for a VRAM budget" in verbose   # no GPU, or a GPU's plan

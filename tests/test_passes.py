@@ -224,6 +224,38 @@ def test_calibration_jsonl_is_accepted(silu_file, tmp_path):
     assert "calib.jsonl" in PinfReader(out).header["sparsity"]["calibration"]
 
 
+# -- the FFN bundles' formats ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_the_back_end_writes_the_formats_the_planner_counts(tmp_path, qtype):
+    """plan.bundle_formats is the one decision of the FFN formats: the planner's byte model reads it
+    and the back end writes it, for each source type and --quant (formats and the optional min)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from pinfer.converter.passes import plan as PL
+    src = make_tiny_llama_gguf(tmp_path / "b.gguf", qtype=qtype, d_model=256, n_ff=256)   # K-quants: rows of 256
+    for quant in ("auto", "int4", "fp16"):
+        out = convert(ConvertOptions(src, tmp_path / f"{quant}.pinf", quant=quant, report=False,
+                                     passes=PassOptions(sparsity="none")))
+        want = PL.bundle_formats([QT[qtype]] * 2, QT[qtype], quant, permuted=False)
+        r = PinfReader(out)
+        for i in range(2):
+            got = [(f, "min" in parts) for f, parts in (r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i)))]
+            assert got == [want.gate_up, want.down], (quant, got, want)
+
+
+def test_q4_with_and_without_min_meet_as_q4_with_min():
+    """Gate in Q4_0 and up in Q4_1 carry over as one q4 bundle with a min (exact: min = -8 scale)
+    rather than being re-quantized to 8 bits; a type without an exact format re-quantizes both."""
+    from gguf import GGMLQuantizationType as QT
+
+    from pinfer.converter.passes import plan as PL
+    f = PL.bundle_formats([QT.Q4_0, QT.Q4_1], QT.Q4_0, "auto", permuted=False)
+    assert (f.gate_up, f.gate_up_carried, f.down, f.down_carried) == (("q4", True), True, ("q4r", False), True)
+    f = PL.bundle_formats([QT.Q4_0, QT.Q5_0], QT.Q4_0, "auto", permuted=True)
+    assert (f.gate_up, f.gate_up_carried, f.down, f.down_carried) == (("q8", False), False, ("q8", False), False)
+
+
 # -- mixed quantization ---------------------------------------------------------------------------
 
 def test_mixed_keeps_the_planned_hot_prefix_in_fp16(tmp_path):

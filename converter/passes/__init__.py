@@ -87,20 +87,9 @@ def parse_sparsity(text, cfg):
 
 
 def _bundle_formats(src, names, i, quant, permuted, predictor_bytes):
-    """The FFN formats layer i will be written in (convert._ffn_bundles decides the same from the
-    tensors), from the source's tensor types alone."""
-    from pinfer.formats.blocks import EXACT, TRANSPOSED
-    if quant == "fp16":
-        return PL.BundleFormats(("f16", False), ("f16", False), predictor_bytes)
-    # gate and up carried over when both have one exact format, else re-quantized to q8
-    kinds = {EXACT.get(src.ttype(names[k].format(i))) for k in ("ffn_gate", "ffn_up") if k in names}
-    gu = kinds.pop() if len(kinds) == 1 and None not in kinds else ("q8", False)
-    if quant == "mixed" or quant == "int4" and gu[0] != "q4":   # mixed: the CPU reads the cold rows, int4
-        gu = ("q4", True)
-    dn = EXACT.get(src.ttype(names["ffn_down"].format(i)))
-    if dn is not None and PL.carries_down(quant, TRANSPOSED[dn[0]], permuted):
-        return PL.BundleFormats(gu, (TRANSPOSED[dn[0]], dn[1]), predictor_bytes)
-    return PL.BundleFormats(gu, ("q4", True) if quant in ("int4", "mixed") else ("q8", False), predictor_bytes)
+    """The FFN formats layer i will be written in (plan.bundle_formats), from the source's types."""
+    types = [src.ttype(names[k].format(i)) for k in ("ffn_gate", "ffn_up") if k in names]
+    return PL.bundle_formats(types, src.ttype(names["ffn_down"].format(i)), quant, permuted, predictor_bytes)
 
 
 def run(src, names, cfg, tokenizer_spec, opts, quant):
@@ -182,7 +171,7 @@ def _permuted(order, mode):
     if order == "source":
         return False
     # auto: reorder where the mode selects neurons; elsewhere keep the source's exact blocks
-    return mode in ("predicted", "relu")
+    return S.MODES[mode].uses_predictor
 
 
 def _permute_predictor(pred, perm):

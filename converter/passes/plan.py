@@ -18,16 +18,16 @@ from pinfer.runtime.placement import GIB  # noqa: F401  (one definition; callers
 
 
 def row_bytes(fmt, d, has_min):
-    """(bytes per row, bytes per 32-row group) of a (rows, d) weight in `fmt`."""
-    nb = d // S.GROUP
-    return {
-        "q4": (d // 2 + 2 * nb * (1 + has_min), 0),
-        "q8": (d + 2 * nb, 0),
-        "f16": (2 * d, 0),
-        "f32": (4 * d, 0),
-        "q4r": (d // 2, 2 * d * (1 + has_min)),
-        "q8r": (d, 2 * d),
-    }[fmt]
+    """(bytes per row, bytes per 32-row group) of a (rows, d) weight in `fmt` (schema.block_parts):
+    the parts with a row per row, and those with a row per group of rows (the "r" formats)."""
+    per_row = per_group = 0
+    for dtype, shape in S.block_parts(fmt, S.GROUP, d, has_min).values():
+        nbytes = S.DTYPES[dtype].itemsize * int(np.prod(shape))
+        if shape[0] == S.GROUP:
+            per_row += nbytes // S.GROUP
+        else:
+            per_group += nbytes
+    return per_row, per_group
 
 
 def carries_down(quant, fmt, permuted):
@@ -38,10 +38,33 @@ def carries_down(quant, fmt, permuted):
 
 @dataclass(frozen=True)
 class BundleFormats:
-    """The FFN formats of one layer as it would be written."""
+    """The FFN formats of one layer as it will be written."""
     gate_up: tuple      # (fmt, has_min)
     down: tuple         # (fmt, has_min)
-    predictor_bytes: int
+    predictor_bytes: int = 0
+    gate_up_carried: bool = False   # the source's own blocks, not re-quantized
+    down_carried: bool = False      # the source's W_down blocks, transposed exactly
+
+
+def bundle_formats(gate_up_types, down_type, quant, permuted, predictor_bytes=0):
+    """The formats a layer's FFN bundles are written in, from the source's GGUF types of gate and
+    up (up alone without a gate) and of down: the one decision the planner's byte model and the
+    back end (convert._ffn_bundles) both take. gate/up carry over when both have one exact .pinf
+    format (q4 with and without min meet as q4 with min), else they are re-quantized to q8; fp16
+    makes f16, int4 and mixed 4 bits (mixed: the cold rows' format). down carries over where
+    carries_down says; else f16, q4 (int4, mixed) or q8."""
+    from pinfer.formats.blocks import EXACT, TRANSPOSED
+    if quant == "fp16":
+        return BundleFormats(("f16", False), ("f16", False), predictor_bytes)
+    kinds = [EXACT.get(t) for t in gate_up_types]
+    carried = None not in kinds and len({k[0] for k in kinds}) == 1
+    gu = (kinds[0][0], any(k[1] for k in kinds)) if carried else ("q8", False)
+    if quant == "mixed" or quant == "int4" and gu[0] != "q4":
+        gu, carried = ("q4", True), False
+    dn = EXACT.get(down_type)
+    if dn is not None and carries_down(quant, TRANSPOSED[dn[0]], permuted):
+        return BundleFormats(gu, (TRANSPOSED[dn[0]], dn[1]), predictor_bytes, carried, True)
+    return BundleFormats(gu, ("q4", True) if quant in ("int4", "mixed") else ("q8", False), predictor_bytes, carried)
 
 
 def ffn_bytes(cfg, fmts, point_mode, read):
@@ -51,7 +74,7 @@ def ffn_bytes(cfg, fmts, point_mode, read):
     n, groups = cfg.n_ff, cfg.n_ff // S.GROUP
     gu_share, down_share, group_share = read
     total = n * gu_share * (2 if cfg.ffn_gated else 1) * gu_row + n * down_share * d_row + groups * group_share * d_group
-    if point_mode in ("predicted", "relu"):
+    if S.MODES[point_mode].uses_predictor:
         total += fmts.predictor_bytes
     return float(total)
 

@@ -9,6 +9,8 @@ import os
 
 import numpy as np
 
+from pinfer.formats import schema as S
+
 
 def _load():
     spec = importlib.util.find_spec("pinfer.kernels._kernels")
@@ -53,19 +55,11 @@ _lib = _Library()
 MAX_D = 65536   # d_model the sparse FFN's stack buffers hold (ffn_sparse.c)
 MAX_BATCH = 64  # tokens of one batch call (ffn_sparse.c: a neuron's tokens are one 64-bit mask)
 
-# format -> (code in pinfer/kernels/csrc/ffn_down.c, {part: (dtype, shape(n, d))})
-_DOWN_FORMATS = {
-    "q8": (0, {"q": (np.uint8, lambda n, d: (n, d)), "scale": (np.float16, lambda n, d: (n, d // 32))}),
-    "q8r": (1, {"q": (np.uint8, lambda n, d: (n, d)), "scale": (np.float16, lambda n, d: (n // 32, d))}),
-    "q4r": (2, {"q": (np.uint8, lambda n, d: (n, d // 2)), "scale": (np.float16, lambda n, d: (n // 32, d)),
-                "min": (np.float16, lambda n, d: (n // 32, d))}),
-    "f16": (3, {"w": (np.float16, lambda n, d: (n, d))}),
-    "f32": (4, {"w": (np.float32, lambda n, d: (n, d))}),
-    "q4": (5, {"q": (np.uint8, lambda n, d: (n, d // 2)), "scale": (np.float16, lambda n, d: (n, d // 32)),
-               "min": (np.float16, lambda n, d: (n, d // 32))}),
-}
-
-_OPTIONAL_PARTS = {"min"}    # q4 and q4r without min: w = scale * (q - 8)
+# block format (formats/schema.py) -> its number in the kernels (fmt codes of ffn_down.c, ffn_sparse.c
+# and ffn_hot.cu); every shape the wrappers check comes from schema.block_parts
+FORMAT_CODES = {"q8": 0, "q8r": 1, "q4r": 2, "f16": 3, "f32": 4, "q4": 5}
+GATE_UP_FORMATS = ("q4", "f16", "f32")            # gate_up (n_ff, 2, d): formats grouped along d
+SPARSE_DOWN = ("q8", "q4", "q4r", "f16", "f32")   # down_t formats the sparse FFN reads
 
 
 def _check(a, dtype, shape, name):
@@ -74,29 +68,30 @@ def _check(a, dtype, shape, name):
                          f"got {a.dtype} {a.shape}")
 
 
-def _parts(table, fmt, parts, n, d, what):
-    """(format code, (q-or-w, scale, min) pointers) of checked block-format parts."""
-    if fmt not in table:
-        raise ValueError(f"the kernels take {what} in {sorted(table)}, not {fmt}")
-    code, spec = table[fmt]
-    missing = [k for k in spec if k not in parts and k not in _OPTIONAL_PARTS]
+def _parts(formats, fmt, parts, n, d, what, per_row=0):
+    """(format code, (q-or-w, scale, min) pointers) of checked block-format parts of an (n, d)
+    weight in one of `formats`, or of an (n, per_row, d) one (gate_up) when per_row is given."""
+    if fmt not in formats:
+        raise ValueError(f"the kernels take {what} in {sorted(formats)}, not {fmt}")
+    spec = S.block_parts(fmt, n * (per_row or 1), d)
+    missing = [k for k in spec if k not in parts and k not in S.OPTIONAL_PARTS]
     if missing:
         raise ValueError(f"{what} in {fmt} needs the parts {sorted(spec)}; {', '.join(missing)} missing")
     for k, (dtype, shape) in spec.items():
         if k in parts:
-            _check(parts[k], np.dtype(dtype), shape(n, d), f"{what}.{k}")
+            _check(parts[k], S.DTYPES[dtype], (n, per_row, *shape[1:]) if per_row else shape, f"{what}.{k}")
     ptr = lambda k: parts[k].ctypes.data if k in parts else None  # noqa: E731
-    return code, (ptr("q") or ptr("w"), ptr("scale"), ptr("min"))
+    return FORMAT_CODES[fmt], (ptr("q") or ptr("w"), ptr("scale"), ptr("min"))
 
 
 class DownProjection:
     """y (S, d) = h (S, n_ff) @ W, W stored neuron-major as `down_t` (n_ff, d) in one of
-    _DOWN_FORMATS. Shapes are checked here once; the bound call passes raw pointers only."""
+    FORMAT_CODES. Shapes are checked here once; the bound call passes raw pointers only."""
 
     def __init__(self, fmt, parts, threads, n_ff, d):
         if d % 32 or n_ff % 32:
             raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
-        self.code, self._w = _parts(_DOWN_FORMATS, fmt, parts, n_ff, d, "down_t")
+        self.code, self._w = _parts(FORMAT_CODES, fmt, parts, n_ff, d, "down_t")
         self.parts, self.threads, self.n_ff, self.d = parts, threads, n_ff, d
 
     def bind(self, h, y):
@@ -112,15 +107,8 @@ class DownProjection:
 
 # -- the sparse FFN of one token (pinfer/kernels/csrc/ffn_sparse.c) --------------------------------------
 
-SPARSE_MODES = {"dense": 0, "down": 1, "predicted": 2, "relu": 3, "given": 4}
+SPARSE_MODES = {name: mode.code for name, mode in S.MODES.items()}
 ISAS = ("portable", "avx2", "avx512")
-_GATE_UP_FORMATS = {
-    "q4": (5, {"q": (np.uint8, lambda n, d: (n, 2, d // 2)), "scale": (np.float16, lambda n, d: (n, 2, d // 32)),
-               "min": (np.float16, lambda n, d: (n, 2, d // 32))}),
-    "f16": (3, {"w": (np.float16, lambda n, d: (n, 2, d))}),
-    "f32": (4, {"w": (np.float32, lambda n, d: (n, 2, d))}),
-}
-_SPARSE_DOWN = ("q8", "q4", "q4r", "f16", "f32")
 
 
 class _Rows(ctypes.Structure):
@@ -143,7 +131,6 @@ class _Call(ctypes.Structure):
 # From this share of surviving neurons on, the sparse FFN's down projection runs as row dots over
 # W_down when it has it (SparseFFN down_rows): benchmarks/sparse_kernel.py --rows-from measures it.
 ROWS_FROM = 0.5
-_ROW_FORMATS = {"q4": _DOWN_FORMATS["q4"]}
 
 
 def sparse_isa(want=None):
@@ -170,17 +157,15 @@ class SparseFFN:
             raise ValueError(f"the sparse FFN takes the activations silu and relu, not {act}")
         self.n_ff, self.d, self.threads = n_ff, d, threads
         self.act = 0 if act == "silu" else 1
-        self.gu_code, self.gu = _parts(_GATE_UP_FORMATS, *gate_up, n_ff, d, "gate_up")
-        if down[0] not in _SPARSE_DOWN:
-            raise ValueError(f"the sparse FFN takes down_t in {list(_SPARSE_DOWN)}, not {down[0]}")
-        self.dn_code, self.dn = _parts({k: _DOWN_FORMATS[k] for k in _SPARSE_DOWN}, *down, n_ff, d, "down_t")
+        self.gu_code, self.gu = _parts(GATE_UP_FORMATS, *gate_up, n_ff, d, "gate_up", per_row=2)
+        self.dn_code, self.dn = _parts(SPARSE_DOWN, *down, n_ff, d, "the sparse FFN's down_t")
         if isinstance(down_rows, str) and down_rows == "transpose":
             from pinfer.formats import blocks
             down_rows = blocks.from_transposed_r(*down)
         self.rows = _Rows()
         if down_rows is not None:
             rows_from = ROWS_FROM if rows_from is None else rows_from
-            code, (q, scale, mn) = _parts(_ROW_FORMATS, *down_rows, d, n_ff, "down rows")
+            code, (q, scale, mn) = _parts(("q4",), *down_rows, d, n_ff, "down rows")
             if not 0.0 <= rows_from <= 1.0:
                 raise ValueError(f"rows_from {rows_from} is not a share between 0 and 1")
             self.rows = _Rows(code, q, scale, mn, int(np.ceil(rows_from * n_ff)))
@@ -191,11 +176,10 @@ class SparseFFN:
             r = w1["q"].shape[0]
             if r % 32:
                 raise ValueError(f"predictor rank {r} must be a multiple of 32")
-            for a, dtype, shape, name in ((w1["q"], np.uint8, (r, d), "w1.q"), (w1["scale"], np.float16, (r, d // 32), "w1.scale"),
-                                          (w2["q"], np.uint8, (n_ff, r), "w2.q"),
-                                          (w2["scale"], np.float16, (n_ff, r // 32), "w2.scale"),
-                                          (b2, np.float32, (n_ff,), "b2")):
-                _check(a, np.dtype(dtype), shape, f"predictor {name}")
+            for w, (rows, k), name in ((w1, (r, d), "w1"), (w2, (n_ff, r), "w2")):
+                for part, (dtype, shape) in S.block_parts("q8", rows, k).items():
+                    _check(w[part], S.DTYPES[dtype], shape, f"predictor {name}.{part}")
+            _check(b2, np.dtype(np.float32), (n_ff,), "predictor b2")
             self.pred = (w1["q"].ctypes.data, w1["scale"].ctypes.data, w2["q"].ctypes.data,
                          w2["scale"].ctypes.data, b2.ctypes.data, r)
         self.idx = np.empty(n_ff, np.int32)
@@ -253,7 +237,7 @@ class SparseFFN:
     def _check(self, x, y, mode, size=None):
         if mode not in SPARSE_MODES:
             raise ValueError(f"sparse FFN mode {mode!r} is not one of {', '.join(SPARSE_MODES)}")
-        if mode in ("predicted", "relu") and self.pred[0] is None:
+        if S.MODES[mode].uses_predictor and self.pred[0] is None:
             raise ValueError(f"mode {mode} needs a predictor")
         for a, name in ((x, "x"), (y, "y")):
             if a.dtype != np.float32 or not a.flags.c_contiguous or a.size != (size or self.d):

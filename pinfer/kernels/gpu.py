@@ -14,14 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
+from pinfer.formats import schema as S
+from pinfer.kernels import FORMAT_CODES, GATE_UP_FORMATS, SPARSE_DOWN
+
 SOURCE = Path(__file__).with_name("cuda") / "ffn_hot.cu"
 KERNELS = ("pinfer_pred_hidden", "pinfer_select", "pinfer_quantize_x", "pinfer_gate_up", "pinfer_activate", "pinfer_axpy",
            "pinfer_axpy_det", "pinfer_merge")
 OPTIONS = ("--std=c++17", "-default-device")   # no fast math: denormal h must survive as on the CPU
 ALIGN = 256            # every device buffer starts on this boundary (cudaMalloc's own)
-GU_FORMATS = {"q4": 5, "f16": 3, "f32": 4}                            # as in ffn_hot.cu
-DOWN_FORMATS = {"q8": 0, "q8r": 1, "q4r": 2, "f16": 3, "f32": 4, "q4": 5}
-RULES = {"dense": 0, "down": 1, "predicted": 1, "given": 1, "relu": 2}
+GU_FORMATS = {f: FORMAT_CODES[f] for f in GATE_UP_FORMATS}             # the same codes in ffn_hot.cu
+DOWN_FORMATS = {f: FORMAT_CODES[f] for f in SPARSE_DOWN}    # the CPU computes the cold half's down_t too
+RULES = {"all": 0, "threshold": 1, "nonzero": 2}                      # a Mode's rule, as in ffn_hot.cu
 THREADS = 256
 
 
@@ -134,25 +137,14 @@ class HotSpec:
 
     def weight_parts(self, k):
         """[(name, nbytes)] of the weights for k hot neurons."""
-        d, (gf, gmin), (df, dmin) = self.d, self.gate_up, self.down
-        parts = []
-        if gf == "q4":
-            parts += [("gu.q", k * 2 * d // 2), ("gu.scale", k * 2 * d // 32 * 2)]
-            parts += [("gu.min", k * 2 * d // 32 * 2)] if gmin else []
-        else:
-            parts += [("gu.w", k * 2 * d * (2 if gf == "f16" else 4))]
-        if df in ("q4", "q4r"):
-            groups = k * d // 32 if df == "q4" else k // 32 * d
-            parts += [("dn.q", k * d // 2), ("dn.scale", groups * 2)] + ([("dn.min", groups * 2)] if dmin else [])
-        elif df in ("q8", "q8r"):
-            parts += [("dn.q", k * d), ("dn.scale", (k * d // 32 if df == "q8" else k // 32 * d) * 2)]
-        else:
-            parts += [("dn.w", k * d * (2 if df == "f16" else 4))]
-        if self.rank:
-            r = self.rank
-            parts += [("w1.q", r * d), ("w1.scale", r * d // 32 * 2), ("w2.q", k * r), ("w2.scale", k * r // 32 * 2),
-                      ("b2", k * 4)]
-        return parts
+        d, r = self.d, self.rank
+        weights = [("gu", *self.gate_up, 2 * k, d), ("dn", *self.down, k, d)]
+        if r:
+            weights += [("w1", "q8", False, r, d), ("w2", "q8", False, k, r)]
+        parts = [(f"{name}.{part}", S.DTYPES[dtype].itemsize * int(np.prod(shape)))
+                 for name, fmt, has_min, rows, cols in weights
+                 for part, (dtype, shape) in S.block_parts(fmt, rows, cols, has_min).items()]
+        return parts + ([("b2", k * 4)] if r else [])
 
     def scratch_parts(self, k):
         d, r = self.d, self.rank
@@ -175,10 +167,9 @@ class HotSpec:
 
     def supported(self):
         """None, or why the GPU kernels cannot hold this layer."""
-        from pinfer.kernels import _SPARSE_DOWN
         if self.gate_up[0] not in GU_FORMATS:
             return f"gate_up in {self.gate_up[0]}"
-        if self.down[0] not in DOWN_FORMATS or self.down[0] not in _SPARSE_DOWN:   # the CPU takes the cold half
+        if self.down[0] not in DOWN_FORMATS:
             return f"down_t in {self.down[0]}"
         if self.d % 32 or self.n_ff % 32 or self.rank % 32:
             return f"d_model {self.d}, n_ff {self.n_ff} and predictor rank {self.rank} that are not multiples of 32"
@@ -395,18 +386,19 @@ class HotFFN:
               (part("gu", "min"), _P)]
         dn = [(self.dn_fmt, _I), (part("dn", "q") or part("dn", "w"), _P), (part("dn", "scale"), _P),
               (part("dn", "min"), _P)]
-        cand = at["iota"] if mode in ("dense", "down") else at["cand"]
+        candidates = S.MODES[mode].candidates
+        cand = at["iota"] if candidates == "all" else at["cand"]
         count, nsurv = at["counts"], at["counts"] + 4
-        rule, act = RULES[mode], self.act
+        rule, act = RULES[S.MODES[mode].rule], self.act
         quantized = self.gu_fmt == GU_FORMATS["q4"]     # int4 rows meet int8 x, as on the CPU
 
         def launch():
             g.zero(at["counts"], 2)
             g.zero(at["hval"], k)
             g.zero(y_ptr, d)
-            if mode in ("dense", "down"):
+            if candidates == "all":
                 g.zero(count, 1, k)
-            elif mode == "given":
+            elif candidates == "given":
                 g.zero(count, 1, self.n_given)
                 if self.n_given:
                     g.to_device(at["cand"], self.host_cand[:self.n_given])
