@@ -31,11 +31,14 @@ from .common import fail_cleanly, verbose
 @click.option("--target-vram", type=float, default=11.0, show_default=True,
               help="GiB of GPU memory for the default placement plan.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampling and predictor training.")
+@click.option("--no-early-check", is_flag=True,
+              help="With --sparsity auto, calibrate fully even where a quick sample shows no sparse point can "
+                   "decode faster than dense on this machine (by default the dense file is written at once).")
 @click.option("--no-verify", is_flag=True, help="Skip reloading and checking the output.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (memory, disk, formats) and stop.")
 @click.pass_context
 def command(ctx, source, output, force, sparsity, max_ppl_increase, calib, calib_tokens, heldout_tokens,
-            quant, order, target_vram, seed, no_verify, dry_run):
+            quant, order, target_vram, seed, no_early_check, no_verify, dry_run):
     """Convert a GGUF model, or a Hugging Face folder (config.json, *.safetensors, tokenizer.json), into a .pinf file."""
     import signal
 
@@ -45,7 +48,8 @@ def command(ctx, source, output, force, sparsity, max_ppl_increase, calib, calib
     # SIGTERM unwinds like Ctrl-C, so the partial output is removed on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     passes = PassOptions(sparsity=sparsity, max_ppl_increase=max_ppl_increase, calib=calib,
-                         calib_tokens=calib_tokens, heldout_tokens=heldout_tokens, order=order, seed=seed)
+                         calib_tokens=calib_tokens, heldout_tokens=heldout_tokens, order=order, seed=seed,
+                         early_check=not no_early_check)
     with fail_cleanly(verbose(ctx)):
         out = convert(ConvertOptions(source=source, output=output, force=force, passes=passes, quant=quant,
                                      target_vram_gib=target_vram, dry_run=dry_run, verify=not no_verify))

@@ -348,7 +348,7 @@ def _typed(value: Any) -> tuple:
 
 
 # Calibration small enough for a unit test: seconds per tiny model.
-QUICK_PASSES = dict(calib_tokens=4096, heldout_tokens=2048, seq_len=128)
+QUICK_PASSES = dict(calib_tokens=4096, heldout_tokens=2048, seq_len=128, early_check=False)   # the full passes
 
 
 def convert_tiny_silu(d: Path, **passes: Any) -> Path:

@@ -21,7 +21,7 @@ from pinfer.formats import schema as S
 from pinfer.runtime.model import Model, RuntimeOptions
 
 RELU = {"pinfer.feed_forward_activation": "relu"}
-QUICK = dict(calib_tokens=4096, heldout_tokens=2048, seq_len=128)
+QUICK = dict(calib_tokens=4096, heldout_tokens=2048, seq_len=128, early_check=False)   # the full passes
 GOLDEN = Path(__file__).parent / "golden" / "converter_tiny.json"
 TEXT = ("The quick brown fox jumps over the lazy dog while the mountains watch the sea, "
         "and stories about forests are told again.")
@@ -220,7 +220,8 @@ def test_calibration_jsonl_is_accepted(silu_file, tmp_path):
     lines = [json.dumps({"text": TEXT * 3}), json.dumps({"messages": [{"role": "user", "content": TEXT * 3}]})]
     calib.write_text("\n".join(lines * 40) + "\n")
     out = convert(ConvertOptions(src, tmp_path / "j.pinf", report=False,
-                                 passes=PassOptions(calib=calib, calib_tokens=1024, heldout_tokens=512, seq_len=64)))
+                                 passes=PassOptions(calib=calib, calib_tokens=1024, heldout_tokens=512, seq_len=64,
+                                                     early_check=False)))
     assert "calib.jsonl" in PinfReader(out).header["sparsity"]["calibration"]
 
 

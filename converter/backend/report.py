@@ -74,6 +74,9 @@ def write_report(out, cfg, layout, header, checks, seconds):
         "conversion_error": header["provenance"]["conversion_error"],
     }
     _atomic_write(paths["json"], json.dumps(body, indent=1).encode())
+    if not layout.calibration.layers:       # the early answer: no per-layer calibration to plot
+        _echo(f"report: {paths['json']}")
+        return {"json": paths["json"]}
     try:
         _plots(paths, cfg, layout, header)
     except ImportError:

@@ -7,7 +7,7 @@ curves) the back end writes. Everything here is computed before any output byte 
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -27,6 +27,7 @@ class PassOptions:
     order: str = "auto"             # auto | hot-first | source
     predictor_budget: float = 0.10  # predictor bytes as a share of the layer's FFN bytes
     seed: int = 0
+    early_check: bool = True        # auto: the dense file at once where no sparse point can be faster (early.py)
 
 
 # No calibration: every layer dense, the walking skeleton's conversion (fast; used by tests that
@@ -114,10 +115,14 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
     ffn_src_bytes = [sum(src.nbytes(names[k].format(i)) for k in FFN_ROLES if k in names)
                      for i in range(cfg.n_layer)]
     freqs = src.floats(names["rope_freqs"]) if "rope_freqs" in names else None
+    embed, head = TL.Embedding(src, names), TL.Head(src, names, cfg)
+    if forced is None and opts.early_check:
+        answered = _early_answer(src, names, cfg, cs, (embed, head, freqs), ffn_src_bytes[0], opts, quant)
+        if answered is not None:
+            return answered
     bar = _progress(cfg.n_layer, "calibrate")
-    result = calibrate.run(src, names, cfg, cs, TL.Embedding(src, names), TL.Head(src, names, cfg),
-                           ffn_src_bytes, freqs, opts.predictor_budget, seed=opts.seed,
-                           on_layer=lambda i, lc: bar.update(1), extra_point=forced)
+    result = calibrate.run(src, names, cfg, cs, embed, head, ffn_src_bytes, freqs, opts.predictor_budget,
+                           seed=opts.seed, on_layer=lambda i, lc: bar.update(1), extra_point=forced)
     bar.close()
     points = calibrate.points_for(cfg, forced)
 
@@ -163,6 +168,35 @@ def _layer_layout(lc, p, order, f, ffn_bytes):
                             "thresholds": [t.__dict__ for t in lc.pred_thresholds]},
               "read": {k: list(v) for k, v in lc.read.items()},
               "ffn_bytes": ffn_bytes})
+
+
+def _early_answer(src, names, cfg, cs, model, ffn_bytes, opts, quant):
+    """--sparsity auto's early answer (early.py): a dense LayoutPlan at once when no sparse point can
+    be within the budget and decode faster than dense on this machine, else None (calibrate)."""
+    from . import calibrate, early
+    points = [p for p in calibrate.points_for(cfg) if p.mode != "dense"]
+    seqs = cs.train[:max(1, early.EARLY_TOKENS // cs.train.shape[1])]
+    rank = calibrate.predictor_ranks(cfg, ffn_bytes, opts.predictor_budget)[0]
+    bar = _progress(cfg.n_layer, "sample")
+    smp = early.sample(src, names, cfg, seqs, model, points, rank, on_layer=lambda i: bar.update(1))
+    bar.close()
+
+    def ppl_of(fast):
+        bar = _progress(cfg.n_layer, f"sample under {', '.join(p.name for p in fast)}")
+        out = early.ppl_increases(src, names, cfg, smp, model, fast, on_layer=lambda i: bar.update(1))
+        bar.close()
+        return out
+    formats_of = lambda p: _bundle_formats(src, names, 0, quant, _permuted(opts.order, p.mode), 0)  # noqa: E731
+    ans = early.answer(cfg, smp, points, formats_of, rank, ppl_of, opts.max_ppl_increase)
+    if ans.faster:
+        _log(f"early check: {', '.join(ans.faster)} might be within the budget and faster than dense here; "
+             f"calibrating ({ans.seconds:.0f} s)")
+        return None
+    _log(f"sparsity: dense: {ans.reason()}")
+    sparsity = {"mode": "auto", "chosen": ["dense"], "reason": ans.reason(), "max_ppl_increase": opts.max_ppl_increase,
+                "early": ans.record(), "calibration": cs.description, "seconds": {"early": round(ans.seconds, 1)}}
+    result = calibrate.CalibrationResult([], {}, 0, {"early": ans.seconds}, smp.reference_logits)
+    return LayoutPlan([LayerLayout(freq=f) for f in smp.freq], sparsity, result, replace(cs, heldout=seqs[:1]))
 
 
 def _permuted(order, mode):

@@ -91,7 +91,7 @@ def apply_point(cfg, point, hact, x, lc):
     return hact * keep, cand, keep
 
 
-def _forward_ffn(h, w, cfg, rotary):
+def forward_ffn(h, w, cfg, rotary):
     """Attention, then the FFN's input and hidden values, for one batch h (B, T, d)."""
     h1 = TL.attention(h, w, cfg, rotary)
     x = TL.ffn_input(h1, w, cfg)
@@ -125,7 +125,7 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
         with torch.no_grad():
             xs, habs = [], []
             for b in range(0, len(train_h), BATCH_SEQS):
-                h1, x, hact = _forward_ffn(train_h[b:b + BATCH_SEQS], w, cfg, rot)
+                h1, x, hact = forward_ffn(train_h[b:b + BATCH_SEQS], w, cfg, rot)
                 train_h[b:b + BATCH_SEQS] = h1 + hact @ w.down.T
                 xs.append(x.reshape(-1, cfg.d_model))
                 habs.append(hact.reshape(-1, cfg.n_ff).abs().half())
@@ -135,7 +135,7 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
             mask_train = (h_train > 0) if cfg.exact_sparse else h_train > thresholds[PREDICTOR_SPARSITY]
             freq = mask_train.float().mean(0).numpy()
             # the dense held-out stream gives the predictor its held-out tokens
-            dense = [_forward_ffn(streams["dense"][b:b + BATCH_SEQS], w, cfg, rot)
+            dense = [forward_ffn(streams["dense"][b:b + BATCH_SEQS], w, cfg, rot)
                      for b in range(0, len(streams["dense"]), BATCH_SEQS)]
             x_held = torch.cat([x.reshape(-1, cfg.d_model) for _, x, _ in dense])
             hact_held = torch.cat([hh.reshape(-1, cfg.n_ff) for _, _, hh in dense])
@@ -153,7 +153,7 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
         seconds["heldout"] += time.perf_counter() - t2
         layers.append(lc)
         del w, dense, x_held, hact_held
-        _release_memory(src)
+        release_memory(src)
         if on_layer:
             on_layer(i, lc)
 
@@ -175,7 +175,7 @@ def _advance_heldout(points, streams, dense, w, cfg, rot, lc):
             h = streams[p.name]
             reads = np.zeros(3)
             for k, b in enumerate(range(0, len(h), BATCH_SEQS)):
-                a, x, hh = dense[k] if p.mode == "dense" else _forward_ffn(h[b:b + BATCH_SEQS], w, cfg, rot)
+                a, x, hh = dense[k] if p.mode == "dense" else forward_ffn(h[b:b + BATCH_SEQS], w, cfg, rot)
                 x = x.reshape(-1, cfg.d_model)
                 flat, gu, dn = apply_point(cfg, p, hh.reshape(-1, cfg.n_ff), x, lc)
                 h[b:b + BATCH_SEQS] = a + (flat @ w.down.T).view(a.shape)
@@ -192,7 +192,7 @@ def _fixed_mmap_threshold():
         pass
 
 
-def _release_memory(src):
+def release_memory(src):
     """Give this layer's memory back: the source file's pages, and the heap that glibc keeps after
     large frees (its dynamic mmap threshold otherwise lets peak RSS creep up layer by layer)."""
     gc.collect()
@@ -212,13 +212,18 @@ def _read_shares(gu, dn, n_ff, n_tok):
     return np.array([g, float(dn.float().mean()), float(groups.float().mean())])
 
 
+def predictor_ranks(cfg, ffn_bytes, budget):
+    """The predictor ranks tried for a layer: the largest whose q8 weights (and f32 bias) fit in
+    `budget` of the layer's FFN bytes, and half of it."""
+    per_rank = 1.0625 * (cfg.d_model + cfg.n_ff)           # q8 bytes per unit of rank
+    r_max = max(32, int((budget * ffn_bytes - 4 * cfg.n_ff) / per_rank) // 32 * 32)
+    return sorted({max(32, r_max // 2 // 32 * 32), r_max})
+
+
 def _fit_predictor(lc, cfg, x_train, mask_train, x_held, hact_held, ffn_bytes, budget, seed):
     """Train at the ranks the byte budget (a share of the layer's FFN bytes) allows; keep the one
     that reads the fewest bytes per token at 0.99 mass recall, predictor included."""
-    d, n_ff = cfg.d_model, cfg.n_ff
-    per_rank = 1.0625 * (d + n_ff)           # q8 bytes per unit of rank
-    r_max = max(32, int((budget * ffn_bytes - 4 * n_ff) / per_rank) // 32 * 32)
-    ranks = sorted({max(32, r_max // 2 // 32 * 32), r_max})
+    ranks = predictor_ranks(cfg, ffn_bytes, budget)
     habs = hact_held.abs()
     active = (hact_held != 0) if cfg.exact_sparse else habs > lc.thresholds[PREDICTOR_SPARSITY]
     # thresholds from half of PREDICTOR_HELDOUT held-out tokens, quality from the other half
