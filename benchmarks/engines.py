@@ -16,10 +16,11 @@ def clean_env():
     return {k: os.environ[k] for k in PASSED if k in os.environ}
 
 
-def llamacpp(py, what, gguf, threads, **args):
+def llamacpp(py, what, gguf, threads, *positional, **args):
     """One call of llamacpp_side.py (`what`: decode, perplexity, greedy, score) in the interpreter
-    `py`; its JSON result. args: further options, -x for one letter, --name otherwise."""
-    cmd = [str(py), str(SIDE), what, str(gguf), "--threads", str(threads)]
+    `py`; its JSON result. positional: after the model (perplexity's text file); args: further
+    options, -x for one letter, --name otherwise."""
+    cmd = [str(py), str(SIDE), what, str(gguf), *map(str, positional), "--threads", str(threads)]
     cmd += [x for k, v in args.items() for x in (f"--{k}" if len(k) > 1 else f"-{k}", str(v))]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=clean_env())
     return json.loads(out.stdout.strip().splitlines()[-1])

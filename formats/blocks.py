@@ -11,6 +11,13 @@ from .schema import GROUP
 #   Q4_0: d f16 | qs u8[16]         value i = d*((qs[i] & 15) - 8), value i+16 = d*((qs[i] >> 4) - 8)
 #   Q4_1: d f16 | m f16 | qs u8[16] value i = d*(qs[i] & 15) + m,  value i+16 = d*(qs[i] >> 4) + m
 #   Q8_0: d f16 | qs i8[32]         value i = d*qs[i]
+# and per super-block of 256 values, in 8 sub-blocks of 32:
+#   Q4_K: d f16 | dmin f16 | scales u8[12] | qs u8[128]
+#         sub-block j has a 6-bit scale sc[j] and min m[j] packed in `scales`: for j < 4, sc[j] is
+#         the low 6 bits of byte j and m[j] those of byte j + 4; for j >= 4, sc[j] is the low nibble
+#         of byte j + 4 with the top 2 bits of byte j - 4 above it, m[j] the high nibble of byte j + 4
+#         with the top 2 bits of byte j above it. qs holds 4 runs of 32 bytes: run r gives sub-block
+#         2r its low nibbles and sub-block 2r + 1 its high ones. value = d*sc[j]*q - dmin*m[j]
 
 
 def _pairs(nibbles):
@@ -27,8 +34,9 @@ def _unpairs(packed):
 
 # GGUF type -> (.pinf format, has a min) of from_gguf's exact carry-over; from_gguf_transposed
 # gives the "r" form of the quantized ones (TRANSPOSED)
+# (Q4_K: its sub-blocks of 32 carry over as q4 groups, scale d*sc and min -dmin*m rounded to f16)
 EXACT = {Q.F32: ("f32", False), Q.F16: ("f16", False), Q.Q4_0: ("q4", False), Q.Q4_1: ("q4", True),
-         Q.Q8_0: ("q8", False)}
+         Q.Q8_0: ("q8", False), Q.Q4_K: ("q4", True)}
 TRANSPOSED = {"f32": "f32", "f16": "f16", "q4": "q4r", "q8": "q8r"}
 
 
@@ -51,12 +59,29 @@ def from_gguf(ttype, raw, rows, k):
         if has_min:
             parts["min"] = blocks[..., 2:4].copy().view(np.float16).reshape(rows, nb)
         return "q4", parts
+    if ttype == Q.Q4_K:
+        return "q4", _from_q4_k(raw, rows, k)
     if ttype == Q.Q8_0:
         blocks = raw.reshape(rows, nb, 34)
         q = blocks[..., 2:].view(np.int8).reshape(rows, k)
         return "q8", {"q": (q.view(np.uint8) ^ 0x80).astype(np.uint8),
                       "scale": blocks[..., 0:2].copy().view(np.float16).reshape(rows, nb)}
     return None
+
+
+def _from_q4_k(raw, rows, k):
+    """Q4_K blocks -> q4 parts with a min: each 32-value sub-block is one q4 group."""
+    blocks = raw.reshape(rows, k // 256, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)        # (rows, n, 1)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    s = blocks[..., 4:16].astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = blocks[..., 16:].reshape(rows, k // 256, 4, 32)
+    vals = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, k // 256, 8, 32)  # sub-blocks in order
+    return {"q": _pairs(vals).reshape(rows, k // 2),
+            "scale": (d * sc).astype(np.float16).reshape(rows, k // GROUP),
+            "min": (-(dmin * mn)).astype(np.float16).reshape(rows, k // GROUP)}
 
 
 def from_gguf_transposed(ttype, raw, rows, k):

@@ -48,3 +48,23 @@ def test_row_selection_and_mixing_q4_with_and_without_min():
     np.testing.assert_array_equal(blocks.dequantize(fmt, both), full)
     rows = np.array([0, 47, 48, 95, 3])
     np.testing.assert_array_equal(blocks.dequantize(fmt, both, rows=rows), full[rows])
+
+
+def test_q4_k_sub_blocks_carry_over_as_q4_groups():
+    """Q4_K (tests/fixtures.py's encoder; gguf-py cannot quantize it) as q4 with a min per 32
+    values, dequantized against gguf-py's own Q4_K dequantizer. The values differ only by the
+    f16 rounding of each group's scale d*sc and min -dmin*m (half an f16 ulp, 2^-11 relative):
+    at most (15 |scale| + |min|) 2^-11 per value."""
+    from fixtures import quantize_q4_k
+    w = (RNG.standard_normal((16, 512)) * np.exp(RNG.standard_normal((16, 1)))).astype(np.float32)
+    raw = quantize_q4_k(w)
+    fmt, parts = blocks.from_gguf(Q.Q4_K, raw, *w.shape)
+    assert fmt == "q4" and set(parts) == {"q", "scale", "min"} and blocks.EXACT[Q.Q4_K] == ("q4", True)
+    ref = quants.dequantize(raw, Q.Q4_K).reshape(w.shape)
+    got = blocks.dequantize(fmt, parts)
+    bound = (15 * np.abs(parts["scale"].astype(np.float32)) + np.abs(parts["min"].astype(np.float32))) * 2.0 ** -11
+    assert (np.abs(got - ref) <= bound.repeat(32, axis=1) * 1.01 + 1e-6).all()
+    # W^T as q4r: the same values, transposed (W_down's groups along n_ff become groups of rows)
+    tfmt, tparts = blocks.from_gguf_transposed(Q.Q4_K, raw, *w.shape)
+    assert tfmt == "q4r"
+    np.testing.assert_array_equal(blocks.dequantize(tfmt, tparts), got.T)

@@ -8,9 +8,11 @@ Stated tolerances (max |logit difference| / max |logit|):
 Token-by-token decoding with the KV cache must equal one full forward pass to 1e-4 with float
 weights. With quantized weights, the int8 rounding of activations can turn a last-bit difference
 between the prefill and decode attention paths into one quantization step, so there the bound is
-1e-2 on the largest difference and 1e-3 on the mean: how many activations flip a step depends on
-the float order of the kernels the CPU's instruction set selects (Q4_K: 6.5e-4 on an AVX2-only
-EPYC, under 1e-4 with AVX-512).
+2e-2 on the largest difference and 2e-3 on the mean: how many activations flip a step depends on
+the seed and on the float order of the kernels the CPU's instruction set selects. Measured with
+Q4_K carried over as 4-bit groups (d_model 256, seeds 0-2): up to 1.04e-2 and 1.5e-3; re-quantized
+to 8 bits, as before: up to 5.5e-3 and 5.3e-4. A cache bug moves logits by whole units (the GPU
+path's position bug: 5.46), far over either bound.
 """
 
 import contextlib
@@ -55,7 +57,7 @@ def test_logits_match_reference_and_kv_cache_matches_full_pass(tmp_path, qtype):
     m.reset()
     chunked = np.concatenate([m.forward(IDS[:13], logits_from=0).copy(), m.forward(IDS[13:], logits_from=0).copy()])
     scale = np.abs(full).max()
-    worst, mean = (1e-4, 1e-4) if TOL[qtype] < 1e-3 else (1e-2, 1e-3)
+    worst, mean = (1e-4, 1e-4) if TOL[qtype] < 1e-3 else (2e-2, 2e-3)
     for other in (steps, chunked):
         assert np.abs(other - full).max() <= worst * scale
         assert np.abs(other - full).mean() <= mean * scale

@@ -1,11 +1,15 @@
-"""A bounds-checking walk over a GGUF file's header, run before gguf-py's reader sees the file.
+"""pinfer's reader of a GGUF file's header: a bounds-checking walk that returns the metadata and
+the tensor directory.
 
-gguf-py trusts the counts and lengths it reads: a string array claiming 10^12 items makes it loop
-for ever, a tensor claiming 10^12 elements makes NumPy try to map it. This walk reads only the
-header, checks every count, length, dimension, type and offset against the file size and sane
-limits, and raises one GGUFCheckError sentence naming what is wrong."""
+gguf-py's GGUFReader trusts the counts and lengths it reads (a string array claiming 10^12 items
+makes it loop for ever, a tensor claiming 10^12 elements makes NumPy try to map it) and builds a
+NumPy view per field part: 25.9 s for the 262k-token vocabulary of Gemma 3. This walk reads only
+the header, checks every count, length, dimension, type and offset against the file size and sane
+limits, raises one GGUFCheckError sentence naming what is wrong, and otherwise gives the values as
+plain Python (strings decoded, arrays as lists) in one pass."""
 
 import struct
+from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -51,7 +55,7 @@ class _Cursor:
         s = struct.Struct("<" + fmt)
         return s.unpack(self.read(s.size))[0]
 
-    def string(self, what, keep=True, limit=1 << 20):
+    def string(self, what, keep=True, limit=1 << 20, strict=True):
         n = self.unpack("Q")
         if n > self.size - self.pos:
             self.fail(f"{what} claims {n} bytes, more than the file holds")
@@ -59,7 +63,7 @@ class _Cursor:
             self.skip(n)
             return None
         try:
-            return self.read(n).decode("utf-8")
+            return self.read(n).decode("utf-8", errors="strict" if strict else "replace")
         except UnicodeDecodeError:
             self.fail(f"{what} is not UTF-8")
 
@@ -77,25 +81,44 @@ def _value(c, vtype, key, depth=0):
             size = struct.calcsize("<" + SCALARS[itype])
             if count * size > c.size - c.pos:
                 c.fail(f"the array {key!r} claims {count} items, more than the file holds")
-            c.skip(count * size)
-        elif itype == STRING:
+            return list(struct.unpack(f"<{count}{SCALARS[itype]}", c.read(count * size)))
+        if itype == STRING:
             if count * 8 > c.size - c.pos:
                 c.fail(f"the array {key!r} claims {count} strings, more than the file holds")
-            for _ in range(count):
-                c.string(f"an item of {key!r}", keep=False)
-        elif itype == ARRAY:
+            # a vocabulary's tokens: gguf-py decodes them leniently too (byte tokens of some files)
+            return [c.string(f"an item of {key!r}", strict=False) for _ in range(count)]
+        if itype == ARRAY:
             if count * 12 > c.size - c.pos:
                 c.fail(f"the array {key!r} claims {count} arrays, more than the file holds")
-            for _ in range(count):
-                _value(c, ARRAY, key, depth + 1)
-        else:
-            c.fail(f"the array {key!r} has unknown item type {itype}")
-        return None
+            return [_value(c, ARRAY, key, depth + 1) for _ in range(count)]
+        c.fail(f"the array {key!r} has unknown item type {itype}")
     c.fail(f"{key!r} has unknown value type {vtype}")
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    version: int
+    meta: dict              # key -> str, int, float, bool or a list of them
+    tensors: dict           # name -> TensorEntry, in file order
+    data_start: int         # where the tensor data begins (aligned)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dims: tuple             # GGUF order: fastest axis first
+    ttype: GGMLQuantizationType
+    offset: int             # from data_start
+    nbytes: int
 
 
 def check_gguf(path):
     """Walk the header of `path`; returns (version, n_tensors, n_kv) or raises GGUFCheckError."""
+    h = read_header(path)
+    return h.version, len(h.tensors), len(h.meta)
+
+
+def read_header(path):
+    """The GGUFHeader of `path`, every count, length and offset checked; or GGUFCheckError."""
     import os
 
     if not os.path.isfile(path):     # a FIFO or device would block the reads below
@@ -112,24 +135,25 @@ def check_gguf(path):
         n_tensors, n_kv = c.unpack("Q"), c.unpack("Q")
         if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
             c.fail(f"it claims {n_tensors} tensors and {n_kv} metadata keys")
-        alignment = 32
+        alignment, meta = 32, {}
         for _ in range(n_kv):
             key = c.string("a metadata key", limit=1 << 16)
             if not key:
                 c.fail("a metadata key is empty or too long")
-            v = _value(c, c.unpack("I"), key)
+            meta[key] = v = _value(c, c.unpack("I"), key)
             if key == ALIGNMENT_KEY:
-                if not isinstance(v, int) or v <= 0 or v & (v - 1) or v > 1 << 20:
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v & (v - 1) or v > 1 << 20:
                     c.fail(f"general.alignment is {v}, not a power of two")
                 alignment = v
         names = set()
         tensors = [_tensor_entry(c, size, names) for _ in range(n_tensors)]
-        _check_spans(c, tensors, (c.pos + alignment - 1) // alignment * alignment, alignment, size)
-    return version, n_tensors, n_kv
+        data_start = (c.pos + alignment - 1) // alignment * alignment
+        _check_spans(c, [(n, e.offset, e.nbytes) for n, e in tensors], data_start, alignment, size)
+    return GGUFHeader(version, meta, dict(tensors), data_start)
 
 
 def _tensor_entry(c, size, names):
-    """(name, offset, nbytes) of the next entry of the tensor table, checked."""
+    """(name, TensorEntry) of the next entry of the tensor table, checked."""
     name = c.string("a tensor name", limit=1 << 12)
     if not name or name in names:
         c.fail(f"tensor name {name!r} is empty, too long or repeated")
@@ -154,7 +178,7 @@ def _tensor_entry(c, size, names):
     if nbytes > size:
         c.fail(f"tensor {name!r} needs {nbytes:,} bytes, more than the whole {size:,}-byte file: the file "
                "is truncated (an interrupted download?) or damaged")
-    return name, offset, nbytes
+    return name, TensorEntry(tuple(dims), GGMLQuantizationType(ttype), offset, nbytes)
 
 
 def _check_spans(c, tensors, data_start, alignment, size):

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType as Q
 
 from pinfer.formats import blocks
 
-from .gguf_check import GGUFCheckError, check_gguf
+from .gguf_check import GGUFCheckError, read_header
 
 
 class SourceError(ValueError):
@@ -26,34 +26,30 @@ class SourceTensor:
     raw: np.ndarray      # view of the memory map
 
 
-def _value(field):
-    """A GGUF metadata field as a plain Python value (strings decoded, arrays as lists)."""
-    t = field.types[0] if field.types else None
-    if t == GGUFValueType.ARRAY:
-        sub = field.types[1] if len(field.types) > 1 else None
-        if sub == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if t == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    return field.parts[field.data[0]].tolist()[0]
+# GGUF types gguf-py maps as typed arrays (the others are blocks of bytes, (rows, bytes per row))
+_TYPED = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
+          Q.I32: np.int32, Q.I64: np.int64}
 
 
 class GGUFSource:
-    """One GGUF model file. Nothing is read from the tensors until asked for."""
+    """One GGUF model file: its header through pinfer's own checked walk (gguf_check.read_header),
+    its tensors as views of one memory map. Nothing is read from the tensors until asked for."""
 
     def __init__(self, path):
         self.path = Path(path)
         try:
-            check_gguf(self.path)   # gguf-py trusts the counts it reads; check them first
-            self._r = GGUFReader(self.path, "r")
+            h = read_header(self.path)
         except GGUFCheckError as e:
             raise SourceError(str(e)) from None
-        except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as e:
-            raise SourceError(f"{self.path} could not be read as GGUF ({e}); "
-                              "pass a .gguf model file") from None
-        self.meta = {k: _value(f) for k, f in self._r.fields.items() if not k.startswith("GGUF.")}
-        self._tensors = {t.name: t for t in self._r.tensors}
+        except OSError as e:
+            raise SourceError(f"{self.path} could not be read ({e.strerror or e}); pass a .gguf model file") from None
+        self.meta, self._tensors, self._start = h.meta, h.tensors, h.data_start
+        self._map = None
+
+    def _data(self):
+        if self._map is None:
+            self._map = np.memmap(self.path, np.uint8, "r")
+        return self._map
 
     @property
     def architecture(self):
@@ -69,16 +65,23 @@ class GGUFSource:
         t = self._tensors.get(name)
         if t is None:
             raise SourceError(f"{self.path} lacks the tensor {name}")
-        shape = [int(n) for n in t.shape]  # GGUF order: fastest axis first
-        k = shape[0]
-        rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        return SourceTensor(name, t.tensor_type, rows, k, t.data)
+        k = t.dims[0]          # GGUF order: fastest axis first
+        rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
+        raw = self._data()[self._start + t.offset:self._start + t.offset + t.nbytes]
+        raw = raw.view(_TYPED[t.ttype]).reshape(rows, k) if t.ttype in _TYPED else raw.reshape(rows, -1)
+        return SourceTensor(name, t.ttype, rows, k, raw)
 
     def nbytes(self, name):
-        return self.tensor(name).raw.nbytes
+        return self._entry(name).nbytes
 
     def ttype(self, name):
-        return self.tensor(name).ttype
+        return self._entry(name).ttype
+
+    def _entry(self, name):
+        t = self._tensors.get(name)
+        if t is None:
+            raise SourceError(f"{self.path} lacks the tensor {name}")
+        return t
 
     def block(self, name):
         """(format, parts) carried over exactly where a .pinf format matches the GGUF type."""
@@ -92,7 +95,7 @@ class GGUFSource:
     def release(self):
         """Drop the file's pages from this process's resident set (they are re-read on demand), so
         that streaming through the layers does not accumulate the whole file in RSS."""
-        m = getattr(self._r.data, "_mmap", None)
+        m = getattr(self._map, "_mmap", None)
         if m is not None and hasattr(mmap, "MADV_DONTNEED"):
             m.madvise(mmap.MADV_DONTNEED)
 
