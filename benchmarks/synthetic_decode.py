@@ -56,7 +56,8 @@ def spm_vocab(n):
     return tokens, scores, types
 
 
-def write_gguf(path, shape, n_layer, seed=0):
+def write_gguf(path, shape, n_layer, seed=0, ffn_act=None):
+    """Random Q4_0 weights in `shape`; ffn_act "relu" marks a ReLU-family FFN (pinfer's own key)."""
     import gguf
     d, n_ff, n_head, vocab = SHAPES[shape]
     rng = np.random.default_rng(seed)
@@ -71,6 +72,8 @@ def write_gguf(path, shape, n_layer, seed=0):
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(d // n_head)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    if ffn_act:
+        w.add_string("pinfer.feed_forward_activation", ffn_act)
     tokens, scores, types = spm_vocab(vocab)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)

@@ -216,6 +216,36 @@ def test_llama_through_both_front_ends_gives_the_same_logits(tmp_path):
     assert (la.argmax(1) == lb.argmax(1)).all()
 
 
+def test_qwen2_gguf_converts_and_matches_transformers(tmp_path):
+    """A qwen2 GGUF as llama.cpp's converter writes one (Hugging Face's Q/K row order, q/k/v biases,
+    arch-prefixed keys): rotate-half RoPE, and the logits of transformers' Qwen2 on the same weights."""
+    model = make_hf_model(tmp_path / "hf", "qwen2")
+    c = model.config
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    names |= {f"self_attn.{x}_proj.{kind}": f"attn_{x}.{kind}" for x in "qkv" for kind in ("weight", "bias")}
+    w = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if "lm_head.weight" in sd and not c.tie_word_embeddings:
+        w["output.weight"] = sd["lm_head.weight"]
+    for i in range(c.num_hidden_layers):
+        w |= {f"blk.{i}.{gg}": sd[f"model.layers.{i}.{hf}"] for hf, gg in names.items()}
+    gguf_path = make_tiny_llama_gguf(
+        tmp_path / "qwen2.gguf", arch_name="qwen2", weights=w, n_layer=c.num_hidden_layers, d_model=c.hidden_size,
+        n_ff=c.intermediate_size, n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads,
+        vocab=c.vocab_size, eps=c.rms_norm_eps, ctx=c.max_position_embeddings,
+        extra_kv={"tokenizer.ggml.pre": "qwen2"})
+    m = Model(_convert(gguf_path, tmp_path / "qwen2.pinf"), RuntimeOptions(threads=1, n_ctx=128))
+    assert m.cfg.arch == "qwen2" and m.cfg.rope_interleaved is False
+    ids = [int(i) for i in np.random.default_rng(4).integers(0, c.vocab_size, N_TOKENS)]
+    got, ref = m.forward(ids, logits_from=0), _reference(model, ids)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"qwen2 GGUF: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e})")
+    assert rel <= TOL and (got.argmax(1) == ref.argmax(1)).mean() >= TOP1
+    assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
+
+
 @pytest.mark.parametrize("config", [
     {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64},
     {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "vision_config": {}},

@@ -13,6 +13,7 @@ import importlib
 ARCHS = {
     "llama": "llama",
     "mistral": "llama",  # GGUF mistral files that keep their own name are llama-shaped
+    "qwen2": "llama",    # q/k/v biases; rotate-half RoPE (llama.cpp's NEOX: Q/K rows not permuted)
 }
 
 # Hugging Face config.json model_type -> module name in this package

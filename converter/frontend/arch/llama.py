@@ -67,6 +67,10 @@ HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "relu": "relu", "fatrelu": "f
 
 ACTIVATION_KEY = "pinfer.feed_forward_activation"
 
+# GGUF architectures whose converters keep Hugging Face's Q/K row order: RoPE rotates halves (what
+# llama.cpp calls NEOX) rather than the adjacent pairs llama files are permuted into
+ROTATE_HALF = frozenset({"qwen2"})
+
 # GGUF metadata key (after "{arch}.") -> config field, for the required integers and floats
 KEYS = {
     "block_count": "n_layer",
@@ -109,7 +113,7 @@ def config_from_gguf(meta, tensor_names):
         norm_eps=float(v["norm_eps"]),
         rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
-        rope_interleaved=True,
+        rope_interleaved=arch not in ROTATE_HALF,
         rope_linear_scale=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
         ffn_act=ffn_act,
         tied_embeddings=TENSORS["output"] not in tensor_names,
