@@ -193,7 +193,7 @@ def _emit(w, fe, layout, quant, hot_rows, t0):
     for i in range(cfg.n_layer):
         _layer(src, T, cfg, i, w, em, layout.layers[i], quant, hot_rows and hot_rows[i])
         _log(f"  layer {i + 1}/{cfg.n_layer} written ({time.perf_counter() - t0:.1f} s)")
-    if layout.calibration is not None:
+    if all(lay.freq is not None for lay in layout.layers):
         w.add_tensor(S.FFN_FREQ, np.stack([lay.freq for lay in layout.layers]).astype(np.float32))
     graph_names = {}
     directory = w.directory
@@ -316,7 +316,9 @@ def _ffn_bundles(src, n, gu_names, cfg, i, em, perm, quant):
     (docs/design.md §3), rows in file order: source order when perm is None, else row k holds source
     neuron perm[k]."""
     sel = (lambda a: a) if perm is None else (lambda a: a[perm])  # noqa: E731
-    fm = PL.bundle_formats([src.ttype(name) for name in gu_names], src.ttype(n("ffn_down")), quant, perm is not None)
+    neuron_major = getattr(src, "down_neuron_major", False)
+    fm = PL.bundle_formats([src.ttype(name) for name in gu_names], src.ttype(n("ffn_down")), quant, perm is not None,
+                           down_neuron_major=neuron_major)
     fg, floats = fm.gate_up[0], None
     if fm.gate_up_carried:
         parts = [src.block(name)[1] for name in gu_names]
@@ -332,7 +334,8 @@ def _ffn_bundles(src, n, gu_names, cfg, i, em, perm, quant):
     # move freely); otherwise rows are re-quantized along d_model (4-bit stays 4-bit).
     if fm.down_carried:
         t = src.tensor(n("ffn_down"))
-        fmt, exact = blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
+        fmt, exact = (src.down_t_block(n("ffn_down")) if neuron_major
+                      else blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k))
         em.put(S.FFN_DOWN_T.format(i), fmt, {p: sel(a) for p, a in exact.items()})
         return
     # Re-quantizing 4-bit values to 4 bits along the other axis compounds two rounding errors
@@ -351,7 +354,7 @@ def _mixed_bundles(src, n, gu_names, cfg, i, em, perm, hot):
     gate_up = np.stack([sel(blocks.dequantize(f, p) if x is None else x) for f, p, x in items],
                        axis=1)                                 # (n_ff, 2 or 1, d) file order
     t = src.tensor(n("ffn_down"))
-    exact = blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
+    exact = None if getattr(src, "down_neuron_major", False) else blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
     down_t = sel(src.floats(n("ffn_down")).T)
     parts = []
     if hot:

@@ -106,8 +106,8 @@ class LayerRule:
         if thresholded and not thresholds:
             raise ValueError(f"layer {layer} has no calibrated thresholds; the file was converted with "
                              "--sparsity none: convert again with calibration to use sparsity")
-        key = rule.value if rule.mode == "down" else header["sparsity"]["predictor_sparsity"]
         if thresholded:
+            key = rule.value if rule.mode == "down" else header["sparsity"]["predictor_sparsity"]
             if f"{key:g}" not in thresholds:
                 raise ValueError(f"no threshold for sparsity {key:g} in layer {layer}; "
                                  f"calibrated: {', '.join(thresholds)}")

@@ -174,7 +174,7 @@ KVCache = list  # per layer: [k (S, n_head_kv, hd), v (S, n_head_kv, hd)], grown
 
 def forward(
     model: ReferenceModel, token_ids: list[int], *, pos0: int = 0, cache: KVCache | None = None,
-    dtype: torch.dtype = torch.float32, last_only: bool = False, ggml_numerics: bool = False,
+    dtype: torch.dtype = torch.float32, last_only: bool = False, ggml_numerics: bool = False, ffn=None,
 ) -> torch.Tensor:
     """Logits (T, vocab) (or (1, vocab) with last_only) for tokens at positions pos0..pos0+T-1.
 
@@ -184,6 +184,9 @@ def forward(
     ggml_numerics=False is the exact model on the dequantized weights. True mimics llama.cpp's CPU
     backend: matmul inputs rounded as `ggml_activation` says, and Q, K, V and the attention
     probabilities rounded to f16 (its default F16 KV cache, without flash attention).
+
+    ffn(i, h, gate, up) -> the FFN's hidden values of layer i, from its input h and the gate and up
+    projections (default silu(gate) * up): ReLU-family models and predictor rules.
     """
     hp, W = model.hp, model.weights
     f16 = (lambda t: t.to(torch.float16).to(dtype)) if ggml_numerics else (lambda t: t)
@@ -220,7 +223,8 @@ def forward(
         att = torch.einsum("hts,shd->thd", probs, v).reshape(T, hp.n_head * hp.head_dim)
         x = x + mm(att, p + "attn_output.weight")
         h = rms_norm(x, W[p + "ffn_norm.weight"].to(dtype), hp.eps)
-        act = torch.nn.functional.silu(mm(h, p + "ffn_gate.weight")) * mm(h, p + "ffn_up.weight")  # (T, n_ff)
+        g, u = mm(h, p + "ffn_gate.weight"), mm(h, p + "ffn_up.weight")
+        act = ffn(i, h, g, u) if ffn else torch.nn.functional.silu(g) * u  # (T, n_ff)
         x = x + mm(act, p + "ffn_down.weight")
     if last_only:
         x = x[-1:]
@@ -241,13 +245,14 @@ def _one_thread():
 
 @torch.no_grad()
 def reference_logits(
-    gguf_path: str | os.PathLike, token_ids: list[int], *, float64: bool = False, ggml_numerics: bool = False
+    gguf_path: str | os.PathLike, token_ids: list[int], *, float64: bool = False, ggml_numerics: bool = False,
+    ffn=None,
 ) -> np.ndarray:
-    """(T, vocab) float32 logits of a full causal pass over `token_ids` (no BOS added)."""
+    """(T, vocab) float32 logits of a full causal pass over `token_ids` (no BOS added); ffn: see forward."""
     model = load_reference(gguf_path)
     dtype = torch.float64 if float64 else torch.float32
     with _one_thread():
-        logits = forward(model, list(token_ids), dtype=dtype, ggml_numerics=ggml_numerics)
+        logits = forward(model, list(token_ids), dtype=dtype, ggml_numerics=ggml_numerics, ffn=ffn)
     return logits.to(torch.float32).numpy()
 
 

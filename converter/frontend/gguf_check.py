@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
+POWERINFER_MAGIC = b"PWRI"      # PowerInfer's GGUF v3 files with predictors (frontend/powerinfer.py)
 VERSIONS = (2, 3)
 MAX_KV = 1 << 16
 MAX_TENSORS = 1 << 20
@@ -101,6 +102,7 @@ class GGUFHeader:
     meta: dict              # key -> str, int, float, bool or a list of them
     tensors: dict           # name -> TensorEntry, in file order
     data_start: int         # where the tensor data begins (aligned)
+    powerinfer: bool = False    # the PWRI magic
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,8 @@ def read_header(path):
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         c = _Cursor(f, size, path)
-        if c.read(4) != MAGIC:
+        magic = c.read(4)
+        if magic not in (MAGIC, POWERINFER_MAGIC):
             c.pos = 0
             c.fail("it does not start with the GGUF magic")
         version = c.unpack("I")
@@ -149,7 +152,7 @@ def read_header(path):
         tensors = [_tensor_entry(c, size, names) for _ in range(n_tensors)]
         data_start = (c.pos + alignment - 1) // alignment * alignment
         _check_spans(c, [(n, e.offset, e.nbytes) for n, e in tensors], data_start, alignment, size)
-    return GGUFHeader(version, meta, dict(tensors), data_start)
+    return GGUFHeader(version, meta, dict(tensors), data_start, magic == POWERINFER_MAGIC)
 
 
 def _tensor_entry(c, size, names):

@@ -45,6 +45,16 @@ class GGUFSource:
             raise SourceError(f"{self.path} could not be read ({e.strerror or e}); pass a .gguf model file") from None
         self.meta, self._tensors, self._start = h.meta, h.tensors, h.data_start
         self._map = None
+        # PowerInfer files hold W_down transposed (blk.N.ffn_down_t: a row per neuron, groups along
+        # d_model), which is pinfer's down_t: it is offered under the ffn_down role's name, floats()
+        # transposes it back, and the back end carries its blocks over as down_t (down_t_block)
+        self.powerinfer = h.powerinfer
+        self.down_neuron_major = h.powerinfer
+        self._down_t = {}
+        if h.powerinfer:
+            for name in list(self._tensors):
+                if name.endswith(".ffn_down_t.weight"):
+                    self._down_t[name.replace(".ffn_down_t.", ".ffn_down.")] = name
 
     def _data(self):
         if self._map is None:
@@ -59,9 +69,17 @@ class GGUFSource:
         return arch
 
     def tensor_names(self):
-        return set(self._tensors)
+        return set(self._tensors) | set(self._down_t)
+
+    def down_t_block(self, name):
+        """(format, parts) of down_t (n_ff, d_model), exactly, from a PowerInfer file's ffn_down_t
+        offered as `name`; None where its type has no exact .pinf format."""
+        t = self.tensor(self._down_t[name])
+        return blocks.from_gguf(t.ttype, t.raw, t.rows, t.k)
 
     def tensor(self, name):
+        """The stored tensor (a PowerInfer file's ffn_down role: its ffn_down_t, a row per neuron)."""
+        name = self._down_t.get(name, name)
         t = self._tensors.get(name)
         if t is None:
             raise SourceError(f"{self.path} lacks the tensor {name}")
@@ -78,7 +96,7 @@ class GGUFSource:
         return self._entry(name).ttype
 
     def _entry(self, name):
-        t = self._tensors.get(name)
+        t = self._tensors.get(self._down_t.get(name, name))
         if t is None:
             raise SourceError(f"{self.path} lacks the tensor {name}")
         return t
@@ -90,7 +108,8 @@ class GGUFSource:
 
     def floats(self, name):
         t = self.tensor(name)
-        return blocks.dequantize_gguf(t.ttype, t.raw, t.rows, t.k)
+        w = blocks.dequantize_gguf(t.ttype, t.raw, t.rows, t.k)
+        return np.ascontiguousarray(w.T) if name in self._down_t else w
 
     def release(self):
         """Drop the file's pages from this process's resident set (they are re-read on demand), so

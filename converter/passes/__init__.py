@@ -90,13 +90,16 @@ def parse_sparsity(text, cfg):
 def _bundle_formats(src, names, i, quant, permuted, predictor_bytes):
     """The FFN formats layer i will be written in (plan.bundle_formats), from the source's types."""
     types = [src.ttype(names[k].format(i)) for k in ("ffn_gate", "ffn_up") if k in names]
-    return PL.bundle_formats(types, src.ttype(names["ffn_down"].format(i)), quant, permuted, predictor_bytes)
+    return PL.bundle_formats(types, src.ttype(names["ffn_down"].format(i)), quant, permuted, predictor_bytes,
+                             down_neuron_major=getattr(src, "down_neuron_major", False))
 
 
 def run(src, names, cfg, tokenizer_spec, opts, quant):
     forced = parse_sparsity(opts.sparsity, cfg)
     if forced == "none":
         return LayoutPlan([LayerLayout() for _ in range(cfg.n_layer)], {"mode": "none"})
+    if forced is None and getattr(src, "powerinfer", False):
+        return powerinfer_plan(src, names, cfg, opts, quant)
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -197,6 +200,51 @@ def _early_answer(src, names, cfg, cs, model, ffn_bytes, opts, quant):
                 "early": ans.record(), "calibration": cs.description, "seconds": {"early": round(ans.seconds, 1)}}
     result = calibrate.CalibrationResult([], {}, 0, {"early": ans.seconds}, smp.reference_logits)
     return LayoutPlan([LayerLayout(freq=f) for f in smp.freq], sparsity, result, replace(cs, heldout=seqs[:1]))
+
+
+# The rule name under which a PowerInfer file's own predictor threshold is stored (the header keys
+# predictor thresholds by recall target; PowerInfer's has none measured: the report says so)
+POWERINFER_VALUE = 0.99
+
+
+def powerinfer_plan(src, names, cfg, opts, quant):
+    """A PowerInfer file's own predictors and activation counts as the layout, no calibration:
+    every layer runs relu (the predictor's candidates, h != 0 among them), hottest first by the
+    counts unless --order source."""
+    from pinfer.formats import blocks
+
+    from ..frontend import powerinfer as PI
+    from .predictor import Predictor
+    thr = PI.threshold(src.meta)
+    counts = PI.activation_counts(src.path, cfg.n_layer, cfg.n_ff)
+    layers = []
+    for i in range(cfg.n_layer):
+        w1, w2 = src.floats(PI.FC1.format(i)), src.floats(PI.FC2.format(i))      # (r, d), (n_ff, r)
+        if w1.shape[1] != cfg.d_model or w2.shape != (cfg.n_ff, w1.shape[0]) or w1.shape[0] % 32:
+            raise ValueError(f"layer {i}'s predictor is {w1.shape} and {w2.shape}, not (rank, {cfg.d_model}) and "
+                             f"({cfg.n_ff}, rank) with a rank that is a multiple of 32")
+        p1, p2 = (src.block(PI.FC1.format(i)), src.block(PI.FC2.format(i)))
+        p1 = p1[1] if p1 and p1[0] == "q8" else blocks.quantize("q8", w1)
+        p2 = p2[1] if p2 and p2[0] == "q8" else blocks.quantize("q8", w2)
+        pred = Predictor(blocks.dequantize("q8", p1), blocks.dequantize("q8", p2), np.zeros(cfg.n_ff, np.float32), p1, p2)
+        freq = counts[i] / max(counts[i].max(), 1.0)
+        perm = None if opts.order == "source" else np.argsort(-counts[i], kind="stable")
+        pred = pred if perm is None else _permute_predictor(pred, perm)
+        f = _bundle_formats(src, names, i, quant, perm is not None, pred.nbytes())
+        layers.append(LayerLayout(
+            mode="relu", value=POWERINFER_VALUE, perm=perm, freq=freq if perm is None else freq[perm], predictor=pred,
+            info={"mode": "relu", "value": POWERINFER_VALUE, "order": "source" if perm is None else "hot-first",
+                  "bundle_formats": {"gate_up": f.gate_up[0], "down_t": f.down[0]},
+                  "active_fraction": float(freq.mean()),
+                  "predictor": {"rank": pred.rank, "bytes": pred.nbytes(), "source": "powerinfer",
+                                "thresholds": [{"recall_target": POWERINFER_VALUE, "threshold": thr,
+                                                "source": "the file's powerinfer.sparse_threshold"}]}}))
+    reason = (f"the PowerInfer file's own predictors (a neuron is computed when its logit is at least {thr:g}) and "
+              f"its activation/ counts (neurons ordered hottest first, the GPU plan's hotness); no calibration. "
+              f"The rule is named relu:{POWERINFER_VALUE:g}: its recall was not measured")
+    _log(f"sparsity: {reason}")
+    return LayoutPlan(layers, {"mode": "powerinfer", "chosen": [f"relu:{POWERINFER_VALUE:g}"], "reason": reason,
+                               "predictor_threshold": thr})
 
 
 def _permuted(order, mode):

@@ -97,7 +97,8 @@ def config_from_gguf(meta, tensor_names):
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     # GGUF has no key for the FFN activation (llama.cpp assumes SwiGLU for llama); pinfer reads its
     # own key, which HF front ends and the test fixtures for ReLU-family models set.
-    ffn_act = meta.get(ACTIVATION_KEY, "silu")
+    # PowerInfer's files (their predictors' fc1) hold ReLU-family models: ReluLLaMA, ProSparse
+    ffn_act = meta.get(ACTIVATION_KEY, "relu" if "blk.0.fc1.weight" in tensor_names else "silu")
     if ffn_act not in ("silu", "relu"):
         raise ValueError(f"{ACTIVATION_KEY} is {ffn_act!r}; pinfer supports silu and relu")
     return ModelConfig(
