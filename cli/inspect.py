@@ -39,12 +39,14 @@ def gguf_summary(path):
     for name in sorted(src.tensor_names()):
         t = src.tensor(name)
         tensors[name] = {"type": t.ttype.name, "shape": [t.rows, t.k], "nbytes": int(t.raw.nbytes)}
-    return {"file": str(path), "size_bytes": path.stat().st_size, "format": "gguf", "metadata": meta,
+    return {"file": str(path), "size_bytes": path.stat().st_size, "format": "gguf", "powerinfer": src.powerinfer,
+            "metadata": meta,
             "tensors": tensors}
 
 
 def _print_gguf(s, tensors):
-    click.echo(f"{s['file']}: {s['size_bytes'] / 1e6:.1f} MB, GGUF, {len(s['tensors'])} tensors")
+    kind = "PowerInfer GGUF (PWRI: predictors fc1/fc2, ffn_down_t)" if s.get("powerinfer") else "GGUF"
+    click.echo(f"{s['file']}: {s['size_bytes'] / 1e6:.1f} MB, {kind}, {len(s['tensors'])} tensors")
     for k, v in s["metadata"].items():
         click.echo(f"  {k:45s} {v}")
     types = {}
@@ -69,7 +71,7 @@ def command(ctx, path, as_json, tensors):
         if not path.is_file():      # a FIFO or device: reading its magic would block
             raise ValueError(f"{path} is not a regular file; pass a .pinf or .gguf file")
         with open(path, "rb") as f:
-            is_gguf = f.read(4) == b"GGUF"
+            is_gguf = f.read(4) in (b"GGUF", b"PWRI")     # PWRI: PowerInfer's GGUF files
         s = gguf_summary(path) if is_gguf else summary(PinfReader(path))
     if is_gguf and not as_json:
         _print_gguf(s, tensors)

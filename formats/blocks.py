@@ -87,7 +87,6 @@ def _from_q4_k(raw, rows, k):
 def from_gguf_transposed(ttype, raw, rows, k):
     """GGUF W (rows, k) -> the exact parts of W^T (k, rows) in an "r" format (groups of GGUF's k
     axis become groups of rows), or None when there is none for this type."""
-    nb = k // GROUP
     t = from_gguf(ttype, raw, rows, k)
     if t is None:
         return None

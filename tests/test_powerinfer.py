@@ -2,7 +2,6 @@
 their layout (PWRI magic, blk.N.fc1/fc2 predictors, ffn_down_t, activation/activation_N.pt),
 converted with no calibration, decoded against a PyTorch reference applying the same rule."""
 
-import json
 import shutil
 
 import numpy as np
@@ -11,8 +10,8 @@ import torch
 from fixtures import make_tiny_llama_gguf, tiny_llama_weights
 from reference import reference_logits
 
-from pinfer.converter.convert import ConvertError, ConvertOptions, convert
-from pinfer.converter.passes import PassOptions, powerinfer_plan
+from pinfer.converter.convert import ConvertOptions, convert
+from pinfer.converter.passes import PassOptions
 from pinfer.formats import PinfReader
 from pinfer.formats import schema as S
 from pinfer.runtime.model import Model, RuntimeOptions
@@ -101,6 +100,19 @@ def test_it_decodes_as_pytorch_with_the_same_rule(files, kernels):
     assert (got.argmax(1) == ref.argmax(1)).mean() >= (1.0 if kernels == "off" else 0.9)
     dense = reference_logits(twin, IDS, ffn=lambda i, h, g, u: torch.relu(g) * u)
     assert np.abs(dense - ref).max() > 10 * np.abs(got - ref).max() or kernels == "on"   # the rule matters here
+
+
+def test_inspect_says_what_came_from_where(files):
+    """`pinfer inspect` on the PowerInfer file and on its conversion (real processes)."""
+    import subprocess
+    import sys
+    path, _, _, _, out = files
+    run = lambda f: subprocess.run([sys.executable, "-m", "pinfer", "inspect", str(f)],  # noqa: E731
+                                   capture_output=True, text=True, timeout=120)
+    src, conv = run(path), run(out)
+    assert src.returncode == 0 and "PowerInfer GGUF (PWRI" in src.stdout, src.stderr
+    assert conv.returncode == 0 and "sparsity   powerinfer: relu:0.99" in conv.stdout
+    assert "own predictors" in conv.stdout and "activation/ counts" in conv.stdout and "not measured" in conv.stdout
 
 
 def test_counts_are_read_safely_or_refused(tmp_path):
