@@ -194,6 +194,7 @@ def _early_answer(src, names, cfg, cs, model, ffn_bytes, opts, quant):
     if ans.faster:
         _log(f"early check: {', '.join(ans.faster)} might be within the budget and faster than dense here; "
              f"calibrating ({ans.seconds:.0f} s)")
+        model[1].release()          # the head's weights: not needed again until after the layers
         return None
     _log(f"sparsity: dense: {ans.reason()}")
     sparsity = {"mode": "auto", "chosen": ["dense"], "reason": ans.reason(), "max_ppl_increase": opts.max_ppl_increase,

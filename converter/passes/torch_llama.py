@@ -142,14 +142,26 @@ def activation(g, cfg):
 
 
 class Head:
-    """Final norm and LM head: token log-likelihoods, with the vocabulary in chunks."""
+    """Final norm and LM head: token log-likelihoods, with the vocabulary in chunks. The head's
+    float32 weights (vocab x d_model: 0.5 GB at LLaMA-7B's shapes) are dequantized on first use,
+    after the layers, so that they do not sit in memory beside every layer's calibration."""
 
     def __init__(self, src, names, cfg, rows=512):
         self.norm = _tensor(src.floats(names["output_norm"])).reshape(-1)
         self.bias = _tensor(src.floats(names["output_norm_bias"])).reshape(-1) if "output_norm_bias" in names else None
-        out = names["output"] if not cfg.tied_embeddings else names["token_embd"]
-        self.w = _tensor(src.floats(out))                 # (vocab, d)
+        self._src, self._out = src, names["output"] if not cfg.tied_embeddings else names["token_embd"]
+        self._w = None
         self.cfg, self.rows = cfg, rows
+
+    @property
+    def w(self):
+        if self._w is None:
+            self._w = _tensor(self._src.floats(self._out))     # (vocab, d)
+        return self._w
+
+    def release(self):
+        """Drop the float32 weights until the next use."""
+        self._w = None
 
     def logits(self, h):
         return norm(h, self.norm, self.bias, self.cfg) @ self.w.T
