@@ -316,7 +316,7 @@ def _ffn_bundles(src, n, gu_names, cfg, i, em, perm, quant):
     (docs/design.md §3), rows in file order: source order when perm is None, else row k holds source
     neuron perm[k]."""
     sel = (lambda a: a) if perm is None else (lambda a: a[perm])  # noqa: E731
-    neuron_major = getattr(src, "down_neuron_major", False)
+    neuron_major = src.down_neuron_major
     fm = PL.bundle_formats([src.ttype(name) for name in gu_names], src.ttype(n("ffn_down")), quant, perm is not None,
                            down_neuron_major=neuron_major)
     fg, floats = fm.gate_up[0], None
@@ -354,7 +354,7 @@ def _mixed_bundles(src, n, gu_names, cfg, i, em, perm, hot):
     gate_up = np.stack([sel(blocks.dequantize(f, p) if x is None else x) for f, p, x in items],
                        axis=1)                                 # (n_ff, 2 or 1, d) file order
     t = src.tensor(n("ffn_down"))
-    exact = None if getattr(src, "down_neuron_major", False) else blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
+    exact = None if src.down_neuron_major else blocks.from_gguf_transposed(t.ttype, t.raw, t.rows, t.k)
     down_t = sel(src.floats(n("ffn_down")).T)
     parts = []
     if hot:

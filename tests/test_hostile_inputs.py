@@ -32,7 +32,7 @@ from fixtures import make_tiny_llama_gguf
 from test_server import free_port, start_server
 
 from pinfer.converter.convert import ConvertError, ConvertOptions, convert
-from pinfer.converter.frontend.gguf_check import GGUFCheckError, check_gguf
+from pinfer.converter.frontend.gguf_check import GGUFCheckError, read_header
 from pinfer.converter.passes import DENSE
 from pinfer.formats import PinfFormatError, PinfReader
 from pinfer.formats import schema as S
@@ -467,7 +467,7 @@ def test_a_gguf_cut_inside_its_tensor_table_says_truncated(tmp_path, cut):
     short = tmp_path / "short.gguf"
     short.write_bytes(data[:int(start + cut * (end - start))])
     with pytest.raises(GGUFCheckError, match="truncated"):
-        check_gguf(short)
+        read_header(short)
 
 
 def test_the_battery_holds_300_cases():

@@ -3,7 +3,8 @@ the tensor directory.
 
 gguf-py's GGUFReader trusts the counts and lengths it reads (a string array claiming 10^12 items
 makes it loop for ever, a tensor claiming 10^12 elements makes NumPy try to map it) and builds a
-NumPy view per field part: 25.9 s for the 262k-token vocabulary of Gemma 3. This walk reads only
+NumPy view per field part: 10.3 s for a 41 MB GGUF with a 262k-token vocabulary (this walk, with
+`pinfer inspect` around it: 0.5 s). This walk reads only
 the header, checks every count, length, dimension, type and offset against the file size and sane
 limits, raises one GGUFCheckError sentence naming what is wrong, and otherwise gives the values as
 plain Python (strings decoded, arrays as lists) in one pass."""
@@ -111,12 +112,6 @@ class TensorEntry:
     ttype: GGMLQuantizationType
     offset: int             # from data_start
     nbytes: int
-
-
-def check_gguf(path):
-    """Walk the header of `path`; returns (version, n_tensors, n_kv) or raises GGUFCheckError."""
-    h = read_header(path)
-    return h.version, len(h.tensors), len(h.meta)
 
 
 def read_header(path):

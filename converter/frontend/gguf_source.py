@@ -49,7 +49,6 @@ class GGUFSource:
         # d_model), which is pinfer's down_t: it is offered under the ffn_down role's name, floats()
         # transposes it back, and the back end carries its blocks over as down_t (down_t_block)
         self.powerinfer = h.powerinfer
-        self.down_neuron_major = h.powerinfer
         self._down_t = {}
         if h.powerinfer:
             for name in list(self._tensors):
@@ -67,6 +66,11 @@ class GGUFSource:
         if not isinstance(arch, str):
             raise SourceError(f"{self.path} has no general.architecture key; it is not a model GGUF")
         return arch
+
+    @property
+    def down_neuron_major(self):
+        """Whether the ffn_down role holds down_t, a row per neuron (PowerInfer files)."""
+        return self.powerinfer
 
     def tensor_names(self):
         return set(self._tensors) | set(self._down_t)

@@ -47,6 +47,9 @@ class HFSource:
         self._map = {}
         self._files = {}
 
+    powerinfer = False          # the GGUF source's interface: no PowerInfer layout here
+    down_neuron_major = False
+
     @property
     def architecture(self):
         t = self.config.get("model_type")

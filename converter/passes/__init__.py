@@ -91,14 +91,14 @@ def _bundle_formats(src, names, i, quant, permuted, predictor_bytes):
     """The FFN formats layer i will be written in (plan.bundle_formats), from the source's types."""
     types = [src.ttype(names[k].format(i)) for k in ("ffn_gate", "ffn_up") if k in names]
     return PL.bundle_formats(types, src.ttype(names["ffn_down"].format(i)), quant, permuted, predictor_bytes,
-                             down_neuron_major=getattr(src, "down_neuron_major", False))
+                             down_neuron_major=src.down_neuron_major)
 
 
 def run(src, names, cfg, tokenizer_spec, opts, quant):
     forced = parse_sparsity(opts.sparsity, cfg)
     if forced == "none":
         return LayoutPlan([LayerLayout() for _ in range(cfg.n_layer)], {"mode": "none"})
-    if forced is None and getattr(src, "powerinfer", False):
+    if forced is None and src.powerinfer:
         return powerinfer_plan(src, names, cfg, opts, quant)
     try:
         import torch  # noqa: F401

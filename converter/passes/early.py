@@ -97,9 +97,9 @@ class Sample:
 
 
 def layer_rules(cfg, hact, points, seed=0):
-    """({point name: share of entries read, the oracle's for predicted and relu}, {point name: |h|
-    threshold}, per-neuron active frequency) of one layer's hidden values hact (N, n_ff), from
-    SORT_SAMPLE of its entries."""
+    """({point name: the |h| its rule keeps from}, per-neuron active frequency) of one layer's hidden
+    values hact (N, n_ff), from SORT_SAMPLE of its entries: down:S its S quantile; predicted:R and
+    relu:R the oracle's, the smallest |h| among the fewest entries whose active mass reaches R."""
     habs = hact.abs().float()
     flat = habs.reshape(-1)
     g = torch.Generator().manual_seed(seed)
@@ -112,17 +112,16 @@ def layer_rules(cfg, hact, points, seed=0):
         freq = (habs > floor).float().mean(0).numpy()
     mass = torch.sort(vals[vals > floor].double(), descending=True).values
     cum = torch.cumsum(mass, 0)
-    shares, thresholds = {}, {}
+    thresholds = {}
     for p in points:
         if p.mode == "down":
-            thresholds[p.name], shares[p.name] = float(torch.quantile(vals, p.value)), 1.0 - p.value
+            thresholds[p.name] = float(torch.quantile(vals, p.value))
         elif len(mass):
             k = int(torch.searchsorted(cum, torch.tensor([p.value * float(cum[-1])], dtype=torch.float64)))
-            k = min(k, len(mass) - 1)
-            thresholds[p.name], shares[p.name] = float(mass[k]), (k + 1) / vals.numel()
+            thresholds[p.name] = float(mass[min(k, len(mass) - 1)])
         else:
-            thresholds[p.name], shares[p.name] = float("inf"), 0.0
-    return shares, thresholds, freq
+            thresholds[p.name] = float("inf")
+    return thresholds, freq
 
 
 def _layers(src, names, cfg, streams, freq_divisors, step, on_layer=None):
@@ -178,14 +177,14 @@ def sample(src, names, cfg, seqs, model, points, rank, on_layer=None):
     seen, rules, learned = [], [], []
 
     def step(i, name, x, hact):
-        seen.append((x.reshape(-1, cfg.d_model), hact.reshape(-1, cfg.n_ff)))
+        seen.append((x.reshape(-1, cfg.d_model) if i in trained_at else None, hact.reshape(-1, cfg.n_ff)))
         return hact
 
     def done(i):
-        x, hact = torch.cat([a for a, _ in seen]), torch.cat([b for _, b in seen])
+        hact = torch.cat([b for _, b in seen])
         rules.append(layer_rules(cfg, hact, points, seed=i))
         if i in trained_at and targets:
-            learned.append(predictor_shares(cfg, x, hact, rank, targets, seed=i))
+            learned.append(predictor_shares(cfg, torch.cat([a for a, _ in seen]), hact, rank, targets, seed=i))
         seen.clear()
         if on_layer:
             on_layer(i)
@@ -196,7 +195,7 @@ def sample(src, names, cfg, seqs, model, points, rank, on_layer=None):
         ref = head.logits(h[0, :calibrate.REFERENCE_TOKENS]).numpy()
     shares = {p.name: float(np.mean([s[p.value] for s in learned])) if p.mode != "down" else 1.0 - p.value
               for p in points}
-    return Sample(seqs, shares, [r[1] for r in rules], [r[2] for r in rules], ref, _nll(head, cfg, h, seqs),
+    return Sample(seqs, shares, [r[0] for r in rules], [r[1] for r in rules], ref, _nll(head, cfg, h, seqs),
                   time.perf_counter() - t0)
 
 
