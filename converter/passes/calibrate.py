@@ -31,7 +31,8 @@ DOWN_POINTS = (0.2, 0.3, 0.4)
 PREDICTED_POINTS = (0.95, 0.99, 0.999)
 RELU_POINTS = (0.99, 0.995, 0.999)
 PREDICTOR_SPARSITY = 0.3    # gated models: "active" for the predictor means |h| above this quantile
-BATCH_SEQS = 8              # sequences per forward batch: bounds attention and FFN scratch memory
+MAX_BATCH_SEQS = 8          # sequences per forward batch, at most
+BATCH_BYTES = 96 << 20      # and at most this many float32 bytes in a batch's widest activation
 PREDICTOR_HELDOUT = 4096    # held-out tokens that choose and check predictor thresholds
 REFERENCE_TOKENS = 128     # dense logits kept for the verification of the written file
 QUANTILE_SAMPLE = 1 << 20   # |h| values sampled per layer for the thresholds
@@ -91,6 +92,14 @@ def apply_point(cfg, point, hact, x, lc):
     return hact * keep, cand, keep
 
 
+def batch_seqs(cfg, seq_len):
+    """Sequences per forward batch: a batch's widest activation (the FFN's hidden values, or the
+    attention scores of all heads) within BATCH_BYTES, which bounds the scratch memory of each
+    intermediate (SmolLM2: 8 sequences of 512; LLaMA-7B's shapes: 2)."""
+    per_seq = 4 * seq_len * max(cfg.n_ff, cfg.n_head * seq_len)
+    return int(max(1, min(MAX_BATCH_SEQS, BATCH_BYTES // per_seq)))
+
+
 def forward_ffn(h, w, cfg, rotary):
     """Attention, then the FFN's input and hidden values, for one batch h (B, T, d)."""
     h1 = TL.attention(h, w, cfg, rotary)
@@ -116,6 +125,7 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
     T = calib.train.shape[1]
     rot = TL.Rotary(cfg, T, freq_divisors)
     points = points_for(cfg, extra_point)
+    bs = batch_seqs(cfg, T)
     train_h = embed(calib.train)                                  # (Nt, T, d)
     streams = {p.name: embed(calib.heldout) for p in points}      # each (Nh, T, d)
     layers = []
@@ -123,25 +133,28 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
         t0 = time.perf_counter()
         w = TL.load_layer(src, names, i)
         with torch.no_grad():
-            xs, habs = [], []
-            for b in range(0, len(train_h), BATCH_SEQS):
-                h1, x, hact = forward_ffn(train_h[b:b + BATCH_SEQS], w, cfg, rot)
-                train_h[b:b + BATCH_SEQS] = h1 + hact @ w.down.T
-                xs.append(x.reshape(-1, cfg.d_model))
-                habs.append(hact.reshape(-1, cfg.n_ff).abs().half())
-            x_train, h_train = torch.cat(xs), torch.cat(habs)
-            del xs, habs
+            x_train = torch.empty(train_h.shape[0] * T, cfg.d_model)
+            h_train = torch.empty(train_h.shape[0] * T, cfg.n_ff, dtype=torch.float16)   # |h|
+            for b in range(0, len(train_h), bs):
+                h1, x, hact = forward_ffn(train_h[b:b + bs], w, cfg, rot)
+                train_h[b:b + bs] = h1 + hact @ w.down.T
+                x_train[b * T:(b + len(x)) * T] = x.reshape(-1, cfg.d_model)
+                h_train[b * T:(b + len(x)) * T] = hact.reshape(-1, cfg.n_ff).abs()
+                del h1, x, hact
             thresholds = _quantiles(h_train, list(SPARSITY_GRID), rng)
             mask_train = (h_train > 0) if cfg.exact_sparse else h_train > thresholds[PREDICTOR_SPARSITY]
-            freq = mask_train.float().mean(0).numpy()
-            # the dense held-out stream gives the predictor its held-out tokens
-            dense = [forward_ffn(streams["dense"][b:b + BATCH_SEQS], w, cfg, rot)
-                     for b in range(0, len(streams["dense"]), BATCH_SEQS)]
-            x_held = torch.cat([x.reshape(-1, cfg.d_model) for _, x, _ in dense])
-            hact_held = torch.cat([hh.reshape(-1, cfg.n_ff) for _, _, hh in dense])
+            freq = (mask_train.sum(0).float() / len(mask_train)).numpy()
+            # the dense held-out stream gives the predictor its held-out tokens: (the residual the
+            # down projection adds to, the FFN's input, its hidden values), all held-out sequences
+            dense = _dense_heldout(streams["dense"], w, cfg, rot, bs)
+            x_held, hact_held = dense[1].view(-1, cfg.d_model), dense[2].view(-1, cfg.n_ff)
         seconds["forward"] += time.perf_counter() - t0
 
         t1 = time.perf_counter()
+        # the layer's float32 weights (0.81 GB at LLaMA-7B's shapes) are not held through the
+        # predictor's training: dequantized again for the held-out streams
+        del w
+        release_memory(src)
         lc = LayerCalibration(thresholds, freq, None, [], {})
         _fit_predictor(lc, cfg, x_train.numpy(), mask_train.numpy(), x_held.numpy(), hact_held,
                        ffn_bytes[i], predictor_budget, seed + i)
@@ -149,7 +162,8 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
         seconds["predictor"] += time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        _advance_heldout(points, streams, dense, w, cfg, rot, lc)
+        w = TL.load_layer(src, names, i)
+        _advance_heldout(points, streams, dense, w, cfg, rot, lc, bs)
         seconds["heldout"] += time.perf_counter() - t2
         layers.append(lc)
         del w, dense, x_held, hact_held
@@ -167,20 +181,31 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
     return CalibrationResult(layers, nll, int(targets.numel()), seconds, ref.numpy())
 
 
-def _advance_heldout(points, streams, dense, w, cfg, rot, lc):
+def _dense_heldout(h, w, cfg, rot, bs):
+    """forward_ffn over every sequence of h, batch by batch, into three whole tensors."""
+    n, T, _ = h.shape
+    out = (torch.empty(n, T, cfg.d_model), torch.empty(n, T, cfg.d_model), torch.empty(n, T, cfg.n_ff))
+    for b in range(0, n, bs):
+        for dst, src in zip(out, forward_ffn(h[b:b + bs], w, cfg, rot)):
+            dst[b:b + bs] = src
+    return out
+
+
+def _advance_heldout(points, streams, dense, w, cfg, rot, lc, bs):
     """Each operating point's held-out stream through this layer under its own rule, in place,
     with the shares of FFN rows it read into lc.read (dense: the forward pass already made)."""
     with torch.no_grad():
         for p in points:
             h = streams[p.name]
             reads = np.zeros(3)
-            for k, b in enumerate(range(0, len(h), BATCH_SEQS)):
-                a, x, hh = dense[k] if p.mode == "dense" else forward_ffn(h[b:b + BATCH_SEQS], w, cfg, rot)
+            for b in range(0, len(h), bs):
+                a, x, hh = ((t[b:b + bs] for t in dense) if p.mode == "dense"
+                            else forward_ffn(h[b:b + bs], w, cfg, rot))
                 x = x.reshape(-1, cfg.d_model)
                 flat, gu, dn = apply_point(cfg, p, hh.reshape(-1, cfg.n_ff), x, lc)
-                h[b:b + BATCH_SEQS] = a + (flat @ w.down.T).view(a.shape)
+                h[b:b + bs] = a + (flat @ w.down.T).view(a.shape)
                 reads += _read_shares(gu, dn, cfg.n_ff, flat.shape[0])
-            lc.read[p.name] = tuple(reads / max(1, -(-len(h) // BATCH_SEQS)))
+            lc.read[p.name] = tuple(reads / max(1, -(-len(h) // bs)))
 
 
 def _fixed_mmap_threshold():
@@ -205,11 +230,12 @@ def release_memory(src):
 
 def _read_shares(gu, dn, n_ff, n_tok):
     """(gate/up rows, down rows, 32-neuron groups with any down row) read, as shares of all."""
-    g = 1.0 if gu is None else float(gu.float().mean())
+    share = lambda m: int(torch.count_nonzero(m)) / max(m.numel(), 1)    # noqa: E731 (no copy of the mask)
+    g = 1.0 if gu is None else share(gu)
     if dn is None:
         return np.array([g, 1.0, 1.0])
     groups = dn.view(n_tok, n_ff // 32, 32).any(-1) if n_ff % 32 == 0 else dn
-    return np.array([g, float(dn.float().mean()), float(groups.float().mean())])
+    return np.array([g, share(dn), share(groups)])
 
 
 def predictor_ranks(cfg, ffn_bytes, budget):

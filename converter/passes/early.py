@@ -127,14 +127,15 @@ def layer_rules(cfg, hact, points, seed=0):
 def _layers(src, names, cfg, streams, freq_divisors, step, on_layer=None):
     """Each stream (n, T, d) through every layer, in place, one layer's weights at a time;
     step(i, name, x, hact) returns the hidden values the down projection takes."""
-    rot = TL.Rotary(cfg, next(iter(streams.values())).shape[1], freq_divisors)
+    T = next(iter(streams.values())).shape[1]
+    rot, bs = TL.Rotary(cfg, T, freq_divisors), calibrate.batch_seqs(cfg, T)
     for i in range(cfg.n_layer):
         w = TL.load_layer(src, names, i)
         with torch.no_grad():
             for name, h in streams.items():
-                for b in range(0, len(h), calibrate.BATCH_SEQS):
-                    h1, x, hact = calibrate.forward_ffn(h[b:b + calibrate.BATCH_SEQS], w, cfg, rot)
-                    h[b:b + calibrate.BATCH_SEQS] = h1 + step(i, name, x, hact) @ w.down.T
+                for b in range(0, len(h), bs):
+                    h1, x, hact = calibrate.forward_ffn(h[b:b + bs], w, cfg, rot)
+                    h[b:b + bs] = h1 + step(i, name, x, hact) @ w.down.T
         del w
         src.release()
         if on_layer:

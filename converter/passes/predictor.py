@@ -13,6 +13,7 @@ import torch
 from pinfer.formats import blocks
 
 RECALL_TARGETS = (0.95, 0.99, 0.995, 0.999)
+MICRO_BATCH_BYTES = 24 << 20
 FIT_MARGIN = 0.2   # thresholds aim for 1 - 0.8 (1 - target) on the tokens that choose them
 
 
@@ -54,6 +55,10 @@ def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
     opt = torch.optim.Adam(params, lr=lr)
     xt, mt = torch.from_numpy(x), torch.from_numpy(mask)
     n = len(xt)
+    # the logits and the loss's intermediates are (micro, n_ff) each: a micro-batch of at most
+    # MICRO_BATCH_BYTES per float32 tensor (the whole batch below LLaMA-7B's n_ff)
+    parts = -(-batch // max(1, MICRO_BATCH_BYTES // (4 * n_ff)))
+    micro = -(-batch // parts)
     steps = epochs * max(1, n // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
     step = 0
@@ -61,11 +66,13 @@ def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
         order = torch.randperm(n, generator=g)
         for s in range(0, n - batch + 1 if n >= batch else 1, batch):
             idx = order[s:s + batch]
-            logits = fc2(torch.relu(fc1(xt[idx])))
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, mt[idx].float(), pos_weight=pos_weight)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            for m in range(0, len(idx), micro):   # the batch's mean loss, micro-batch by micro-batch
+                sub = idx[m:m + micro]
+                logits = fc2(torch.relu(fc1(xt[sub])))
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                    logits, mt[sub].float(), pos_weight=pos_weight)
+                (loss * (len(sub) / len(idx)) if len(sub) < len(idx) else loss).backward()
             opt.step()
             if step < steps - 1:
                 sched.step()
@@ -93,9 +100,11 @@ def calibrate(fit, check, targets=RECALL_TARGETS):
     fit, check: (scores, habs, active), (N, n_ff) arrays each: predictor logits, |h|, true mask."""
     scores, habs, active = (torch.as_tensor(a) for a in fit)
     # Sorting the scores of active neurons gives mass recall as a function of the threshold.
-    s_act = scores[active]
-    s_sorted, order = torch.sort(s_act, descending=True)
-    cum = torch.cumsum(habs[active].double()[order], 0)
+    s_sorted, order = torch.sort(scores[active], descending=True)
+    h_sorted = habs[active][order]
+    del order
+    cum = torch.cumsum(h_sorted.double(), 0)
+    del h_sorted
     total = float(cum[-1]) if len(cum) else 0.0
     check = tuple(torch.as_tensor(a) for a in check)
     out = []
@@ -108,12 +117,19 @@ def calibrate(fit, check, targets=RECALL_TARGETS):
     return out
 
 
-def quality(threshold, scores, habs, active):
-    """(mass recall, count recall, candidate fraction) of `threshold` on these tokens."""
+def quality(threshold, scores, habs, active, rows=256):
+    """(mass recall, count recall, candidate fraction) of `threshold` on these tokens; `rows`
+    tokens at a time bound the temporaries (float64 masses of 11008 neurons at LLaMA-7B's shapes)."""
     scores, habs, active = (torch.as_tensor(a) for a in (scores, habs, active))
-    cand = scores >= threshold
-    mass = torch.where(active, habs.double(), 0.0)
-    total = float(mass.sum())
-    return (float(mass[cand].sum()) / total if total > 0 else 1.0,
-            float((cand & active).sum()) / max(int(active.sum()), 1),
-            float(cand.float().mean()))
+    covered = total = 0.0
+    hits = n_active = n_cand = 0
+    for s in range(0, len(scores), rows):
+        sc, ac = scores[s:s + rows], active[s:s + rows]
+        cand = sc >= threshold
+        mass = torch.where(ac, habs[s:s + rows].double(), 0.0)
+        total += float(mass.sum())
+        covered += float(mass[cand].sum())
+        hits += int((cand & ac).sum())
+        n_active += int(ac.sum())
+        n_cand += int(cand.sum())
+    return (covered / total if total > 0 else 1.0, hits / max(n_active, 1), n_cand / max(scores.numel(), 1))
