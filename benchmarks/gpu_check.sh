@@ -11,6 +11,8 @@
 # 4. benchmarks/hybrid_decode.py at LLaMA-7B's and 13B's shapes (LAYERS layers): CPU only vs
 #    hybrid at 30% and 60% of the FFN in VRAM vs all of it, the dense part on the CPU provider,
 #    then on the CUDA provider where onnxruntime-gpu is installed.
+# 5. with CONVERT_SCALE=1 (about 10 more minutes): benchmarks/convert_scale.py, the converter's
+#    calibration and predictor training on the GPU over all 32 layers of a LLaMA-7B-shaped model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -43,7 +45,7 @@ for f in pathlib.Path("pinfer").glob("*.py"):
         t.symlink_to(f.resolve())
 PY
 status=0
-$PY -m pytest -q -rs tests/test_hybrid.py tests/test_device_plumbing.py || status=1
+$PY -m pytest -q -rs tests/test_hybrid.py tests/test_device_plumbing.py tests/test_calib_device.py || status=1
 $PY benchmarks/gpu_kernel.py --shapes 7b,13b || status=1
 dense="cpu"
 if $PY -c "import onnxruntime, sys; sys.exit('CUDAExecutionProvider' not in onnxruntime.get_available_providers())"; then
@@ -57,4 +59,7 @@ for shape in 7b 13b; do
             --dense-device "$dd" --tokens 16 --repeats 3 --cache build/synthetic || status=1
     done
 done
+if [ "${CONVERT_SCALE:-0}" = 1 ]; then
+    $PY benchmarks/convert_scale.py --calib-device cuda --cache build/synthetic || status=1
+fi
 exit $status

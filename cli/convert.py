@@ -30,6 +30,9 @@ from .common import fail_cleanly, verbose
               help="Neuron order: auto reorders hottest first where the mode selects neurons.")
 @click.option("--target-vram", type=float, default=11.0, show_default=True,
               help="GiB of GPU memory for the default placement plan.")
+@click.option("--calib-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where calibration and predictor training run: auto is the GPU where PyTorch sees one "
+                   "(one layer's weights and activations in its memory at a time).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampling and predictor training.")
 @click.option("--no-early-check", is_flag=True,
               help="With --sparsity auto, calibrate fully even where a quick sample shows no sparse point can "
@@ -38,7 +41,7 @@ from .common import fail_cleanly, verbose
 @click.option("--dry-run", is_flag=True, help="Print the plan (memory, disk, formats) and stop.")
 @click.pass_context
 def command(ctx, source, output, force, sparsity, max_ppl_increase, calib, calib_tokens, heldout_tokens,
-            quant, order, target_vram, seed, no_early_check, no_verify, dry_run):
+            quant, order, target_vram, calib_device, seed, no_early_check, no_verify, dry_run):
     """Convert a GGUF model, or a Hugging Face folder (config.json, *.safetensors, tokenizer.json), into a .pinf file."""
     import signal
 
@@ -49,7 +52,7 @@ def command(ctx, source, output, force, sparsity, max_ppl_increase, calib, calib
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     passes = PassOptions(sparsity=sparsity, max_ppl_increase=max_ppl_increase, calib=calib,
                          calib_tokens=calib_tokens, heldout_tokens=heldout_tokens, order=order, seed=seed,
-                         early_check=not no_early_check)
+                         early_check=not no_early_check, calib_device=calib_device)
     with fail_cleanly(verbose(ctx)):
         out = convert(ConvertOptions(source=source, output=output, force=force, passes=passes, quant=quant,
                                      target_vram_gib=target_vram, dry_run=dry_run, verify=not no_verify))

@@ -28,6 +28,7 @@ class PassOptions:
     predictor_budget: float = 0.10  # predictor bytes as a share of the layer's FFN bytes
     seed: int = 0
     early_check: bool = True        # auto: the dense file at once where no sparse point can be faster (early.py)
+    calib_device: str = "auto"      # auto | cpu | cuda: where calibration and predictor training run
 
 
 # No calibration: every layer dense, the walking skeleton's conversion (fast; used by tests that
@@ -51,6 +52,13 @@ class LayoutPlan:
     sparsity: dict
     calibration: object = None       # calibrate.CalibrationResult
     calib_set: object = None         # calib_data.CalibrationSet
+
+
+def _device_name(device):
+    if device == "cpu":
+        return "the CPU"
+    import torch
+    return f"{torch.cuda.get_device_name(0)} (CUDA)"
 
 
 def _log(msg):
@@ -87,6 +95,21 @@ def parse_sparsity(text, cfg):
     return Point(mode, v)
 
 
+CALIB_DEVICES = ("auto", "cpu", "cuda")
+
+
+def calib_device(name):
+    """The torch device the calibration passes run on: auto is the GPU where PyTorch sees one."""
+    import torch
+    if name not in CALIB_DEVICES:
+        raise ValueError(f"--calib-device {name!r} is not one of {', '.join(CALIB_DEVICES)}")
+    cuda = torch.cuda.is_available()
+    if name == "cuda" and not cuda:
+        raise ValueError("--calib-device cuda: PyTorch sees no CUDA GPU here (torch.cuda.is_available() is "
+                         "False: a CPU-only torch build, or no driver); use --calib-device cpu")
+    return "cuda" if name == "cuda" or (name == "auto" and cuda) else "cpu"
+
+
 def _bundle_formats(src, names, i, quant, permuted, predictor_bytes):
     """The FFN formats layer i will be written in (plan.bundle_formats), from the source's types."""
     types = [src.ttype(names[k].format(i)) for k in ("ffn_gate", "ffn_up") if k in names]
@@ -114,11 +137,12 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
     tok = Tokenizer.from_spec(tokenizer_spec)
     seq_len = min(opts.seq_len, cfg.n_ctx_train)
     cs = calib_data.build(tok, opts.calib, seq_len, opts.calib_tokens, opts.heldout_tokens)
-    _log(f"calibration: {cs.description}")
+    device = calib_device(opts.calib_device)
+    _log(f"calibration: {cs.description}; on {_device_name(device)}")
     ffn_src_bytes = [sum(src.nbytes(names[k].format(i)) for k in FFN_ROLES if k in names)
                      for i in range(cfg.n_layer)]
     freqs = src.floats(names["rope_freqs"]) if "rope_freqs" in names else None
-    embed, head = TL.Embedding(src, names), TL.Head(src, names, cfg)
+    embed, head = TL.Embedding(src, names, device), TL.Head(src, names, cfg, device=device)
     if forced is None and opts.early_check:
         answered = _early_answer(src, names, cfg, cs, (embed, head, freqs), ffn_src_bytes[0], opts, quant)
         if answered is not None:
@@ -149,6 +173,7 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
         "heldout": {"tokens": result.tokens_scored, "dense_ppl": base,
                     "points": choice.table},
         "calibration": cs.description,
+        "device": _device_name(device),
         "seconds": {k: round(v, 1) for k, v in result.seconds.items()},
     }
     _log(f"sparsity: {choice.reason} ({time.perf_counter() - t0:.0f} s)")
@@ -271,7 +296,9 @@ class _LineProgress:
 
     def update(self, n):
         self.n += n
-        _log(f"  {self.desc}: layer {self.n}/{self.total} ({time.perf_counter() - self.t0:.1f} s)")
+        spent = time.perf_counter() - self.t0
+        left = spent / self.n * (self.total - self.n)
+        _log(f"  {self.desc}: layer {self.n}/{self.total} ({spent:.1f} s" + (f"; about {left:.0f} s left)" if left else ")"))
 
     def close(self):
         pass

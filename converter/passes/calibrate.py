@@ -87,7 +87,7 @@ def apply_point(cfg, point, hact, x, lc):
         keep = hact.abs() >= lc.thresholds[point.value]
         return hact * keep, None, keep
     thr = next(t.threshold for t in lc.pred_thresholds if t.recall_target == point.value)
-    cand = torch.from_numpy(lc.predictor.scores(x.numpy()) >= thr)
+    cand = lc.predictor.scores(x) >= thr
     keep = cand & active_mask(cfg, hact, lc.thresholds) if point.mode == "predicted" else cand & (hact != 0)
     return hact * keep, cand, keep
 
@@ -110,20 +110,23 @@ def forward_ffn(h, w, cfg, rotary):
 def _quantiles(values, qs, rng):
     flat = values.reshape(-1)
     if flat.numel() > QUANTILE_SAMPLE:
-        flat = flat[torch.from_numpy(rng.integers(0, flat.numel(), QUANTILE_SAMPLE))]
-    q = torch.quantile(flat.float(), torch.tensor(qs, dtype=torch.float32))
+        flat = flat[torch.from_numpy(rng.integers(0, flat.numel(), QUANTILE_SAMPLE)).to(flat.device)]
+    q = torch.quantile(flat.float(), torch.tensor(qs, dtype=torch.float32, device=flat.device))
     return {s: float(v) for s, v in zip(qs, q)}
 
 
 def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, predictor_budget=0.10,
         on_layer=None, seed=0, extra_point=None):
-    """The layer-streamed passes over `calib` (calib_data.CalibrationSet)."""
+    """The layer-streamed passes over `calib` (calib_data.CalibrationSet), on the device `embed`
+    and `head` were made for (torch_llama): one layer's weights, the streams and the layer's
+    activations there; the results come back as NumPy arrays and floats."""
     torch.manual_seed(seed)
     _fixed_mmap_threshold()
     rng = np.random.default_rng(seed)
     seconds = {"forward": 0.0, "predictor": 0.0, "heldout": 0.0, "head": 0.0}
     T = calib.train.shape[1]
-    rot = TL.Rotary(cfg, T, freq_divisors)
+    dev = embed.device
+    rot = TL.Rotary(cfg, T, freq_divisors, dev)
     points = points_for(cfg, extra_point)
     bs = batch_seqs(cfg, T)
     train_h = embed(calib.train)                                  # (Nt, T, d)
@@ -131,10 +134,10 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
     layers = []
     for i in range(cfg.n_layer):
         t0 = time.perf_counter()
-        w = TL.load_layer(src, names, i)
+        w = TL.load_layer(src, names, i, dev)
         with torch.no_grad():
-            x_train = torch.empty(train_h.shape[0] * T, cfg.d_model)
-            h_train = torch.empty(train_h.shape[0] * T, cfg.n_ff, dtype=torch.float16)   # |h|
+            x_train = torch.empty(train_h.shape[0] * T, cfg.d_model, device=dev)
+            h_train = torch.empty(train_h.shape[0] * T, cfg.n_ff, dtype=torch.float16, device=dev)   # |h|
             for b in range(0, len(train_h), bs):
                 h1, x, hact = forward_ffn(train_h[b:b + bs], w, cfg, rot)
                 train_h[b:b + bs] = h1 + hact @ w.down.T
@@ -143,7 +146,7 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
                 del h1, x, hact
             thresholds = _quantiles(h_train, list(SPARSITY_GRID), rng)
             mask_train = (h_train > 0) if cfg.exact_sparse else h_train > thresholds[PREDICTOR_SPARSITY]
-            freq = (mask_train.sum(0).float() / len(mask_train)).numpy()
+            freq = (torch.count_nonzero(mask_train, dim=0).float() / len(mask_train)).cpu().numpy()
             # the dense held-out stream gives the predictor its held-out tokens: (the residual the
             # down projection adds to, the FFN's input, its hidden values), all held-out sequences
             dense = _dense_heldout(streams["dense"], w, cfg, rot, bs)
@@ -156,13 +159,12 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
         del w
         release_memory(src)
         lc = LayerCalibration(thresholds, freq, None, [], {})
-        _fit_predictor(lc, cfg, x_train.numpy(), mask_train.numpy(), x_held.numpy(), hact_held,
-                       ffn_bytes[i], predictor_budget, seed + i)
+        _fit_predictor(lc, cfg, x_train, mask_train, x_held, hact_held, ffn_bytes[i], predictor_budget, seed + i)
         del x_train, h_train, mask_train
         seconds["predictor"] += time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        w = TL.load_layer(src, names, i)
+        w = TL.load_layer(src, names, i, dev)
         _advance_heldout(points, streams, dense, w, cfg, rot, lc, bs)
         seconds["heldout"] += time.perf_counter() - t2
         layers.append(lc)
@@ -178,13 +180,13 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
                for p in points}
         ref = head.logits(streams["dense"][0, :REFERENCE_TOKENS])
     seconds["head"] = time.perf_counter() - t3
-    return CalibrationResult(layers, nll, int(targets.numel()), seconds, ref.numpy())
+    return CalibrationResult(layers, nll, int(targets.numel()), seconds, ref.cpu().numpy())
 
 
 def _dense_heldout(h, w, cfg, rot, bs):
     """forward_ffn over every sequence of h, batch by batch, into three whole tensors."""
     n, T, _ = h.shape
-    out = (torch.empty(n, T, cfg.d_model), torch.empty(n, T, cfg.d_model), torch.empty(n, T, cfg.n_ff))
+    out = tuple(torch.empty(n, T, k, device=h.device) for k in (cfg.d_model, cfg.d_model, cfg.n_ff))
     for b in range(0, n, bs):
         for dst, src in zip(out, forward_ffn(h[b:b + bs], w, cfg, rot)):
             dst[b:b + bs] = src
@@ -259,7 +261,7 @@ def _fit_predictor(lc, cfg, x_train, mask_train, x_held, hact_held, ffn_bytes, b
     best = None
     for r in ranks:
         pred = P.train(x_train, mask_train, r, seed=seed)
-        s = torch.from_numpy(pred.scores(x_held))
+        s = pred.scores(x_held)
         at99 = P.calibrate((s[:half], *fit), (s[half:], *check), targets=(0.99,))[0].candidate_fraction
         lc.ranks_tried[r] = at99
         cost = pred.nbytes() + at99 * ffn_bytes

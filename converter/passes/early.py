@@ -103,13 +103,14 @@ def layer_rules(cfg, hact, points, seed=0):
     habs = hact.abs().float()
     flat = habs.reshape(-1)
     g = torch.Generator().manual_seed(seed)
-    vals = flat[torch.randint(0, flat.numel(), (SORT_SAMPLE,), generator=g)] if flat.numel() > SORT_SAMPLE else flat
+    vals = (flat[torch.randint(0, flat.numel(), (SORT_SAMPLE,), generator=g).to(flat.device)]
+            if flat.numel() > SORT_SAMPLE else flat)
     if cfg.exact_sparse:
         floor = 0.0                # active: h != 0
-        freq = (hact != 0).float().mean(0).numpy()
+        freq = (hact != 0).float().mean(0).cpu().numpy()
     else:
         floor = float(torch.quantile(vals, calibrate.PREDICTOR_SPARSITY))
-        freq = (habs > floor).float().mean(0).numpy()
+        freq = (habs > floor).float().mean(0).cpu().numpy()
     mass = torch.sort(vals[vals > floor].double(), descending=True).values
     cum = torch.cumsum(mass, 0)
     thresholds = {}
@@ -117,7 +118,8 @@ def layer_rules(cfg, hact, points, seed=0):
         if p.mode == "down":
             thresholds[p.name] = float(torch.quantile(vals, p.value))
         elif len(mass):
-            k = int(torch.searchsorted(cum, torch.tensor([p.value * float(cum[-1])], dtype=torch.float64)))
+            k = int(torch.searchsorted(cum, torch.tensor([p.value * float(cum[-1])], dtype=torch.float64,
+                                                         device=cum.device)))
             thresholds[p.name] = float(mass[min(k, len(mass) - 1)])
         else:
             thresholds[p.name] = float("inf")
@@ -128,9 +130,10 @@ def _layers(src, names, cfg, streams, freq_divisors, step, on_layer=None):
     """Each stream (n, T, d) through every layer, in place, one layer's weights at a time;
     step(i, name, x, hact) returns the hidden values the down projection takes."""
     T = next(iter(streams.values())).shape[1]
-    rot, bs = TL.Rotary(cfg, T, freq_divisors), calibrate.batch_seqs(cfg, T)
+    dev = next(iter(streams.values())).device
+    rot, bs = TL.Rotary(cfg, T, freq_divisors, dev), calibrate.batch_seqs(cfg, T)
     for i in range(cfg.n_layer):
-        w = TL.load_layer(src, names, i)
+        w = TL.load_layer(src, names, i, dev)
         with torch.no_grad():
             for name, h in streams.items():
                 for b in range(0, len(h), bs):
@@ -155,14 +158,15 @@ def predictor_shares(cfg, x, hact, rank, targets, seed=0):
     from . import predictor as P
     habs = hact.abs()
     floor = 0.0 if cfg.exact_sparse else float(torch.quantile(
-        habs.reshape(-1)[torch.randperm(habs.numel(), generator=torch.Generator().manual_seed(seed))[:SORT_SAMPLE]].float(),
+        habs.reshape(-1)[torch.randperm(habs.numel(), generator=torch.Generator().manual_seed(seed))[:SORT_SAMPLE]
+                         .to(habs.device)].float(),
         calibrate.PREDICTOR_SPARSITY))
     active = habs > floor
     cut = len(x) * 3 // 4
     half = cut + (len(x) - cut) // 2
     epochs = max(5, -(-PREDICTOR_STEPS // max(1, cut // 2048)))
-    pred = P.train(x[:cut].numpy(), active[:cut].numpy(), rank, seed=seed, epochs=epochs)
-    s = torch.from_numpy(pred.scores(x[cut:].numpy()))
+    pred = P.train(x[:cut], active[:cut], rank, seed=seed, epochs=epochs)
+    s = pred.scores(x[cut:])
     fit = (s[:half - cut], habs[cut:half], active[cut:half])
     check = (s[half - cut:], habs[half:], active[half:])
     return {t.recall_target: t.candidate_fraction for t in P.calibrate(fit, check, targets=targets)}
@@ -193,7 +197,7 @@ def sample(src, names, cfg, seqs, model, points, rank, on_layer=None):
     _layers(src, names, cfg, streams, freq_divisors, step, done)
     h = streams["dense"]
     with torch.no_grad():
-        ref = head.logits(h[0, :calibrate.REFERENCE_TOKENS]).numpy()
+        ref = head.logits(h[0, :calibrate.REFERENCE_TOKENS]).cpu().numpy()
     shares = {p.name: float(np.mean([s[p.value] for s in learned])) if p.mode != "down" else 1.0 - p.value
               for p in points}
     return Sample(seqs, shares, [r[0] for r in rules], [r[1] for r in rules], ref, _nll(head, cfg, h, seqs),

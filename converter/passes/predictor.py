@@ -30,30 +30,42 @@ class Predictor:
         return self.w1.shape[0]
 
     def scores(self, x):
-        """x (N, d) float32 -> (N, n_ff) logits."""
-        return np.maximum(x @ self.w1.T, 0) @ self.w2.T + self.b2
+        """x (N, d) float32 torch tensor -> (N, n_ff) logits, on x's device."""
+        w1, w2, b2 = self._weights_on(x.device)
+        return torch.relu(x @ w1.T) @ w2.T + b2
+
+    def _weights_on(self, device):
+        cached = self.__dict__.setdefault("_on", {})
+        if device not in cached:
+            cached[device] = tuple(torch.from_numpy(a).to(device) for a in (self.w1, self.w2, self.b2))
+        return cached[device]
 
     def nbytes(self):
         return sum(a.nbytes for a in (*self.parts1.values(), *self.parts2.values())) + self.b2.nbytes
 
 
 def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
-    """x (N, d) float32, mask (N, n_ff) bool -> Predictor, weights rounded through q8."""
+    """x (N, d) float32, mask (N, n_ff) bool, torch tensors on one device (the training runs there)
+    -> Predictor, weights rounded through q8. The initial weights and the batch order come from a
+    CPU generator, the same on every device."""
     g = torch.Generator().manual_seed(seed)
+    dev = x.device
     d, n_ff = x.shape[1], mask.shape[1]
     fc1 = torch.nn.Linear(d, rank, bias=False)
     fc2 = torch.nn.Linear(rank, n_ff)
     with torch.no_grad():
         for p in (fc1.weight, fc2.weight):
             p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p.shape[1]))
-        p_act = torch.from_numpy(mask.mean(0).clip(1e-4, 1 - 1e-4).astype(np.float32))
+        counts = torch.count_nonzero(mask, dim=0).cpu().double()
+        p_act = (counts / len(mask)).clamp(1e-4, 1 - 1e-4).float()
         fc2.bias.copy_(torch.log(p_act / (1 - p_act)))
+    fc1, fc2 = fc1.to(dev), fc2.to(dev)
     # Missing an active neuron is the only error that changes outputs: weight positives up to
     # balance the classes (capped so a rare neuron does not dominate).
-    pos_weight = ((1 - p_act) / p_act).clamp(1.0, 20.0)
+    pos_weight = ((1 - p_act) / p_act).clamp(1.0, 20.0).to(dev)
     params = [*fc1.parameters(), *fc2.parameters()]
     opt = torch.optim.Adam(params, lr=lr)
-    xt, mt = torch.from_numpy(x), torch.from_numpy(mask)
+    xt, mt = x, mask
     n = len(xt)
     # the logits and the loss's intermediates are (micro, n_ff) each: a micro-batch of at most
     # MICRO_BATCH_BYTES per float32 tensor (the whole batch below LLaMA-7B's n_ff)
@@ -63,7 +75,7 @@ def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
     step = 0
     for _ in range(epochs):
-        order = torch.randperm(n, generator=g)
+        order = torch.randperm(n, generator=g).to(dev)
         for s in range(0, n - batch + 1 if n >= batch else 1, batch):
             idx = order[s:s + batch]
             opt.zero_grad(set_to_none=True)
@@ -77,11 +89,11 @@ def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
             if step < steps - 1:
                 sched.step()
             step += 1
-    w1 = fc1.weight.detach().numpy().astype(np.float32)
-    w2 = fc2.weight.detach().numpy().astype(np.float32)
+    w1 = fc1.weight.detach().cpu().numpy().astype(np.float32)
+    w2 = fc2.weight.detach().cpu().numpy().astype(np.float32)
     p1, p2 = blocks.quantize("q8", w1), blocks.quantize("q8", w2)
     return Predictor(blocks.dequantize("q8", p1), blocks.dequantize("q8", p2),
-                     fc2.bias.detach().numpy().astype(np.float32), p1, p2)
+                     fc2.bias.detach().cpu().numpy().astype(np.float32), p1, p2)
 
 
 @dataclass(frozen=True)
@@ -111,7 +123,7 @@ def calibrate(fit, check, targets=RECALL_TARGETS):
     for t in targets:
         # aim a little past the target on the fit tokens, so that unseen tokens still meet it
         aim = 1 - (1 - t) * (1 - FIT_MARGIN)
-        k = int(torch.searchsorted(cum, torch.tensor([aim * total], dtype=torch.float64)))
+        k = int(torch.searchsorted(cum, torch.tensor([aim * total], dtype=torch.float64, device=cum.device)))
         thr = float(s_sorted[min(k, len(s_sorted) - 1)]) if len(s_sorted) else float("inf")
         out.append(Threshold(t, thr, *quality(thr, *check)))
     return out

@@ -40,9 +40,10 @@ def _tensor(a):
     return torch.from_numpy(np.require(a, np.float32, ["C", "W"]))
 
 
-def load_layer(src, names, i):
-    """Dequantize layer i's weights; `names` maps pinfer roles to source tensor-name templates."""
-    t = lambda key: _tensor(src.floats(names[key].format(i)))  # noqa: E731
+def load_layer(src, names, i, device="cpu"):
+    """Dequantize layer i's weights onto `device`; `names` maps pinfer roles to source tensor-name
+    templates."""
+    t = lambda key: _tensor(src.floats(names[key].format(i))).to(device)  # noqa: E731
     return LayerWeights(
         attn_norm=t("attn_norm").reshape(-1), wq=t("attn_q"), wk=t("attn_k"), wv=t("attn_v"),
         wo=t("attn_output"), ffn_norm=t("ffn_norm").reshape(-1),
@@ -68,13 +69,13 @@ def _linear(x, w, b):
 class Rotary:
     """cos/sin (T, rotary_dim/2) for positions 0..T-1, applied in the file's pair layout."""
 
-    def __init__(self, cfg, n_pos, freq_divisors=None):
+    def __init__(self, cfg, n_pos, freq_divisors=None, device="cpu"):
         half = cfg.rotary_dim // 2
         inv = cfg.rope_base ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rotary_dim)
         if freq_divisors is not None:
             inv = inv / torch.as_tensor(np.asarray(freq_divisors), dtype=torch.float64)
         ang = torch.outer(torch.arange(n_pos, dtype=torch.float64) / cfg.rope_linear_scale, inv)
-        self.cos, self.sin = ang.cos().float(), ang.sin().float()
+        self.cos, self.sin = ang.cos().float().to(device), ang.sin().float().to(device)
         self.rot, self.interleaved = cfg.rotary_dim, cfg.rope_interleaved
 
     def __call__(self, x):
@@ -104,7 +105,7 @@ def attention(h, w, cfg, rotary):
     group = cfg.n_head // cfg.n_head_kv
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if cfg.sliding_window and T > cfg.sliding_window:
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=h.device)
         mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < cfg.sliding_window)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     else:
@@ -142,21 +143,22 @@ def activation(g, cfg):
 
 
 class Head:
-    """Final norm and LM head: token log-likelihoods, with the vocabulary in chunks. The head's
-    float32 weights (vocab x d_model: 0.5 GB at LLaMA-7B's shapes) are dequantized on first use,
-    after the layers, so that they do not sit in memory beside every layer's calibration."""
+    """Final norm and LM head on `device`: token log-likelihoods, with the vocabulary in chunks. The
+    head's float32 weights (vocab x d_model: 0.5 GB at LLaMA-7B's shapes) are dequantized on first
+    use, after the layers, so that they do not sit in memory beside every layer's calibration."""
 
-    def __init__(self, src, names, cfg, rows=512):
-        self.norm = _tensor(src.floats(names["output_norm"])).reshape(-1)
-        self.bias = _tensor(src.floats(names["output_norm_bias"])).reshape(-1) if "output_norm_bias" in names else None
+    def __init__(self, src, names, cfg, rows=512, device="cpu"):
+        self.norm = _tensor(src.floats(names["output_norm"])).reshape(-1).to(device)
+        self.bias = (_tensor(src.floats(names["output_norm_bias"])).reshape(-1).to(device)
+                     if "output_norm_bias" in names else None)
         self._src, self._out = src, names["output"] if not cfg.tied_embeddings else names["token_embd"]
         self._w = None
-        self.cfg, self.rows = cfg, rows
+        self.cfg, self.rows, self.device = cfg, rows, device
 
     @property
     def w(self):
         if self._w is None:
-            self._w = _tensor(self._src.floats(self._out))     # (vocab, d)
+            self._w = _tensor(self._src.floats(self._out)).to(self.device)     # (vocab, d)
         return self._w
 
     def release(self):
@@ -173,19 +175,22 @@ class Head:
         out = []
         for s in range(0, len(x), self.rows):
             lp = (x[s:s + self.rows] @ self.w.T).log_softmax(-1)
-            out.append(-lp.gather(1, targets[s:s + self.rows, None])[:, 0].double())
+            out.append(-lp.gather(1, targets[s:s + self.rows, None].to(lp.device))[:, 0].double())
         return torch.cat(out)
 
 
 class Embedding:
-    def __init__(self, src, names):
+    """Token rows (and learned positions) on `device`, from the file's own blocks."""
+
+    def __init__(self, src, names, device="cpu"):
+        self.device = device
         t = src.tensor(names["token_embd"])
         exact = blocks.from_gguf(t.ttype, t.raw, t.rows, t.k)
         self.fmt, self.parts = exact if exact is not None else ("f32", {"w": src.floats(names["token_embd"])})
-        self.pos = _tensor(src.floats(names["pos_embd"])) if "pos_embd" in names else None
+        self.pos = _tensor(src.floats(names["pos_embd"])).to(device) if "pos_embd" in names else None
 
     def __call__(self, ids):
         """ids (B, T) int -> (B, T, d) float32, plus the learned position rows 0..T-1 if any."""
         rows = blocks.dequantize(self.fmt, self.parts, rows=np.asarray(ids).reshape(-1))
-        out = torch.from_numpy(rows).view(*np.shape(ids), -1)
+        out = torch.from_numpy(rows).view(*np.shape(ids), -1).to(self.device)
         return out if self.pos is None else out + self.pos[:out.shape[-2]]
