@@ -20,7 +20,9 @@ from .common import fail_cleanly, verbose
               help="Held-out perplexity budget of auto, as a fraction (0.01 = +1%).")
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Calibration text (.txt, or .jsonl with \"text\"/\"messages\"); default: pinfer's built-in set.")
-@click.option("--calib-tokens", type=int, default=24576, show_default=True, help="Calibration (training) tokens.")
+@click.option("--calib-tokens", type=int, default=None,
+              help="Calibration (training) tokens [default: adaptive, up to 24576: doubled from 4096 until the "
+                   "first layer's predictor stops improving by 2%].")
 @click.option("--heldout-tokens", type=int, default=8192, show_default=True,
               help="Held-out calibration tokens for thresholds and perplexity.")
 @click.option("--quant", type=click.Choice(["auto", "int4", "fp16", "mixed"]), default="auto", show_default=True,

@@ -93,3 +93,25 @@ def test_the_gpu_calibration_makes_the_cpus_choices(tmp_path):
         rg = {t["recall_target"]: t["mass_recall"] for t in lg["predictor"]["thresholds"]}
         assert rc.keys() == rg.keys() and all(abs(rc[k] - rg[k]) <= 0.005 for k in rc), (rc, rg)
     assert "CUDA" in heads["cuda"]["sparsity"]["device"], json.dumps(heads["cuda"]["sparsity"])[:300]
+
+
+def test_the_adaptive_calibration_length_follows_its_rule(tiny, tmp_path):
+    """No --calib-tokens: the first layer's predictor at 4096, 8192, ... training tokens; the search
+    stops at the first doubling that improves the share needed for 0.99 mass recall by under 2%, or
+    at all the tokens, and every layer is calibrated on the last length tried. The report states
+    the calibration's cost over the layers' own forward pass."""
+    _, src = tiny
+    opts = {**QUICK_PASSES, "calib_tokens": None, "sparsity": "predicted:0.99"}
+    out = convert(ConvertOptions(src, tmp_path / "a.pinf", passes=PassOptions(**opts)))
+    sp = PinfReader(out).header["sparsity"]
+    search = sp["length_search"]
+    tokens = [n for n, _ in search]
+    assert tokens[0] == calibrate.ADAPTIVE_START and all(b == min(2 * a, tokens[-1]) for a, b in zip(tokens, tokens[1:]))
+    for (_, a), (_, b) in zip(search[:-2], search[1:-1]):
+        assert a - b >= calibrate.ADAPTIVE_GAIN * a           # every doubling but the last improved enough
+    last_gain = search[-2][1] - search[-1][1] if len(search) > 1 else None
+    from pinfer.converter.passes import CALIB_TOKENS_MAX
+    assert tokens[-1] == CALIB_TOKENS_MAX or (last_gain is not None and last_gain < calibrate.ADAPTIVE_GAIN * search[-2][1])
+    assert sp["train_tokens"] == tokens[-1] and sp["cost_over_forward"] > 1
+    fixed = convert(ConvertOptions(src, tmp_path / "f.pinf", passes=PassOptions(**QUICK_PASSES)))
+    assert PinfReader(fixed).header["sparsity"]["length_search"] == []

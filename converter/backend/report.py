@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pinfer.converter.passes import CALIB_TOKENS_MAX
 from pinfer.formats import blocks
 
 
@@ -30,13 +31,14 @@ def dry_run(src, T, cfg, opts, out):
                         if k in T)
     calibrating = po.sparsity != "none"
     n_points = 8
-    hidden = 4 * cfg.d_model * (po.calib_tokens + n_points * po.heldout_tokens)
-    acts = po.calib_tokens * (4 * cfg.d_model + 2 * cfg.n_ff + cfg.n_ff) + 3 * 4 * po.heldout_tokens * cfg.n_ff
+    train = po.calib_tokens or CALIB_TOKENS_MAX
+    hidden = 4 * cfg.d_model * (train + n_points * po.heldout_tokens)
+    acts = train * (4 * cfg.d_model + 2 * cfg.n_ff + cfg.n_ff) + 3 * 4 * po.heldout_tokens * cfg.n_ff
     ram = layer_f32 + (hidden + acts if calibrating else 0)
     _echo(f"plan for {out}:")
     _echo(f"  sparsity {po.sparsity}, quant {opts.quant}, order {po.order}, target VRAM {opts.target_vram_gib} GiB")
     if calibrating:
-        _echo(f"  calibration: {po.calib_tokens} train + {po.heldout_tokens} held-out tokens in sequences of "
+        _echo(f"  calibration: {po.calib_tokens or f'up to {CALIB_TOKENS_MAX}'} train + {po.heldout_tokens} held-out tokens in sequences of "
               f"{po.seq_len} ({po.calib or 'built-in text'}), one layer at a time")
     _echo(f"  peak memory beyond the program: about {ram / 1e9:.2f} GB (one layer's weights in f32"
           f"{', hidden states and one layer of FFN activations' if calibrating else ''})")

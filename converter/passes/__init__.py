@@ -21,7 +21,7 @@ class PassOptions:
     sparsity: str = "auto"          # none | auto | dense | down[:S] | predicted[:R] | relu[:R]
     max_ppl_increase: float = 0.01
     calib: object = None            # Path of a .txt/.jsonl, or None for the built-in set
-    calib_tokens: int = 24576
+    calib_tokens: int | None = None  # training tokens; None: adaptive, at most CALIB_TOKENS_MAX (calibrate.py)
     heldout_tokens: int = 8192
     seq_len: int = 512
     order: str = "auto"             # auto | hot-first | source
@@ -30,6 +30,8 @@ class PassOptions:
     early_check: bool = True        # auto: the dense file at once where no sparse point can be faster (early.py)
     calib_device: str = "auto"      # auto | cpu | cuda: where calibration and predictor training run
 
+
+CALIB_TOKENS_MAX = 24576
 
 # No calibration: every layer dense, the walking skeleton's conversion (fast; used by tests that
 # check the dense path).
@@ -136,7 +138,7 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
     t0 = time.perf_counter()
     tok = Tokenizer.from_spec(tokenizer_spec)
     seq_len = min(opts.seq_len, cfg.n_ctx_train)
-    cs = calib_data.build(tok, opts.calib, seq_len, opts.calib_tokens, opts.heldout_tokens)
+    cs = calib_data.build(tok, opts.calib, seq_len, opts.calib_tokens or CALIB_TOKENS_MAX, opts.heldout_tokens)
     device = calib_device(opts.calib_device)
     _log(f"calibration: {cs.description}; on {_device_name(device)}")
     ffn_src_bytes = [sum(src.nbytes(names[k].format(i)) for k in FFN_ROLES if k in names)
@@ -149,8 +151,16 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
             return answered
     bar = _progress(cfg.n_layer, "calibrate")
     result = calibrate.run(src, names, cfg, cs, embed, head, ffn_src_bytes, freqs, opts.predictor_budget,
-                           seed=opts.seed, on_layer=lambda i, lc: bar.update(1), extra_point=forced)
+                           seed=opts.seed, on_layer=lambda i, lc: bar.update(1), extra_point=forced,
+                           adaptive=opts.calib_tokens is None)
     bar.close()
+    if result.length_search:
+        steps = ", ".join(f"{n} tokens {share:.1%}" for n, share in result.length_search)
+        _log(f"calibration length: {result.train_tokens} training tokens (the share of neurons the first layer's "
+             f"predictor needs for 0.99 held-out mass recall: {steps}; doubling stops below "
+             f"{calibrate.ADAPTIVE_GAIN:.0%} better; --calib-tokens N fixes it)")
+    _log(f"calibration cost: {result.cost_over_forward():.1f}x the layers' own forward pass over the calibration "
+         f"tokens ({', '.join(f'{k} {v:.1f} s' for k, v in result.seconds.items() if v)})")
     points = calibrate.points_for(cfg, forced)
 
     def fmts(i, p):
@@ -173,6 +183,9 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
         "heldout": {"tokens": result.tokens_scored, "dense_ppl": base,
                     "points": choice.table},
         "calibration": cs.description,
+        "train_tokens": result.train_tokens,
+        "length_search": [list(x) for x in result.length_search],
+        "cost_over_forward": round(result.cost_over_forward(), 2),
         "device": _device_name(device),
         "seconds": {k: round(v, 1) for k, v in result.seconds.items()},
     }

@@ -36,6 +36,12 @@ BATCH_BYTES = 96 << 20      # and at most this many float32 bytes in a batch's w
 PREDICTOR_HELDOUT = 4096    # held-out tokens that choose and check predictor thresholds
 REFERENCE_TOKENS = 128     # dense logits kept for the verification of the written file
 QUANTILE_SAMPLE = 1 << 20   # |h| values sampled per layer for the thresholds
+# Adaptive calibration length (no --calib-tokens): at the first layer, predictors trained on
+# ADAPTIVE_START training tokens, then twice as many, and so on up to all of them; the search stops
+# at the first doubling that cuts the share of neurons needed for 0.99 held-out mass recall by less
+# than ADAPTIVE_GAIN of it, and every layer is calibrated on that many tokens.
+ADAPTIVE_START = 4096
+ADAPTIVE_GAIN = 0.02
 
 
 def points_for(cfg, extra=None):
@@ -67,6 +73,15 @@ class CalibrationResult:
     tokens_scored: int
     seconds: dict                    # phase -> seconds
     reference_logits: np.ndarray     # (REFERENCE_TOKENS, vocab) dense logits, first held-out sequence
+    train_tokens: int = 0            # training tokens every layer was calibrated on
+    length_search: list = field(default_factory=list)   # adaptive: [(tokens, share at 0.99 recall)]
+
+    def cost_over_forward(self):
+        """The per-layer passes' time over the layers' own forward time on the calibration tokens
+        (training and held-out, dense): what the statistics, predictors and held-out streams add."""
+        sec = self.seconds
+        layer = sum(sec[k] for k in ("load", "forward", "statistics", "predictor", "heldout"))
+        return layer / max(sec["forward"], 1e-9)
 
     def ppl(self, name):
         return float(np.exp(self.nll[name]))
@@ -116,14 +131,15 @@ def _quantiles(values, qs, rng):
 
 
 def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, predictor_budget=0.10,
-        on_layer=None, seed=0, extra_point=None):
+        on_layer=None, seed=0, extra_point=None, adaptive=False):
     """The layer-streamed passes over `calib` (calib_data.CalibrationSet), on the device `embed`
     and `head` were made for (torch_llama): one layer's weights, the streams and the layer's
-    activations there; the results come back as NumPy arrays and floats."""
+    activations there; the results come back as NumPy arrays and floats. adaptive: the training
+    tokens are cut at the first layer to the length where the predictors converge (ADAPTIVE_GAIN)."""
     torch.manual_seed(seed)
     _fixed_mmap_threshold()
     rng = np.random.default_rng(seed)
-    seconds = {"forward": 0.0, "predictor": 0.0, "heldout": 0.0, "head": 0.0}
+    seconds = dict.fromkeys(("load", "forward", "statistics", "predictor", "heldout", "head", "length_search"), 0.0)
     T = calib.train.shape[1]
     dev = embed.device
     rot = TL.Rotary(cfg, T, freq_divisors, dev)
@@ -131,56 +147,105 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
     bs = batch_seqs(cfg, T)
     train_h = embed(calib.train)                                  # (Nt, T, d)
     streams = {p.name: embed(calib.heldout) for p in points}      # each (Nh, T, d)
-    layers = []
+    layers, search = [], []
+    clock = _Clock(seconds, dev)
     for i in range(cfg.n_layer):
-        t0 = time.perf_counter()
-        w = TL.load_layer(src, names, i, dev)
+        with clock("load"):
+            w = TL.load_layer(src, names, i, dev)
         with torch.no_grad():
-            x_train = torch.empty(train_h.shape[0] * T, cfg.d_model, device=dev)
-            h_train = torch.empty(train_h.shape[0] * T, cfg.n_ff, dtype=torch.float16, device=dev)   # |h|
-            for b in range(0, len(train_h), bs):
-                h1, x, hact = forward_ffn(train_h[b:b + bs], w, cfg, rot)
-                train_h[b:b + bs] = h1 + hact @ w.down.T
-                x_train[b * T:(b + len(x)) * T] = x.reshape(-1, cfg.d_model)
-                h_train[b * T:(b + len(x)) * T] = hact.reshape(-1, cfg.n_ff).abs()
-                del h1, x, hact
-            thresholds = _quantiles(h_train, list(SPARSITY_GRID), rng)
-            mask_train = (h_train > 0) if cfg.exact_sparse else h_train > thresholds[PREDICTOR_SPARSITY]
-            freq = (torch.count_nonzero(mask_train, dim=0).float() / len(mask_train)).cpu().numpy()
-            # the dense held-out stream gives the predictor its held-out tokens: (the residual the
-            # down projection adds to, the FFN's input, its hidden values), all held-out sequences
-            dense = _dense_heldout(streams["dense"], w, cfg, rot, bs)
-            x_held, hact_held = dense[1].view(-1, cfg.d_model), dense[2].view(-1, cfg.n_ff)
-        seconds["forward"] += time.perf_counter() - t0
-
-        t1 = time.perf_counter()
+            with clock("forward"):
+                x_train = torch.empty(train_h.shape[0] * T, cfg.d_model, device=dev)
+                h_train = torch.empty(train_h.shape[0] * T, cfg.n_ff, dtype=torch.float16, device=dev)   # |h|
+                for b in range(0, len(train_h), bs):
+                    h1, x, hact = forward_ffn(train_h[b:b + bs], w, cfg, rot)
+                    train_h[b:b + bs] = h1 + hact @ w.down.T
+                    x_train[b * T:(b + len(x)) * T] = x.reshape(-1, cfg.d_model)
+                    h_train[b * T:(b + len(x)) * T] = hact.reshape(-1, cfg.n_ff).abs()
+                    del h1, x, hact
+                # the dense held-out stream gives the predictor its held-out tokens: (the residual the
+                # down projection adds to, the FFN's input, its hidden values), all held-out sequences
+                dense = _dense_heldout(streams["dense"], w, cfg, rot, bs)
+                x_held, hact_held = dense[1].view(-1, cfg.d_model), dense[2].view(-1, cfg.n_ff)
+            with clock("statistics"):
+                thresholds = _quantiles(h_train, list(SPARSITY_GRID), rng)
+                mask_train = (h_train > 0) if cfg.exact_sparse else h_train > thresholds[PREDICTOR_SPARSITY]
+                freq = (torch.count_nonzero(mask_train, dim=0).float() / len(mask_train)).cpu().numpy()
+                del h_train
         # the layer's float32 weights (0.81 GB at LLaMA-7B's shapes) are not held through the
         # predictor's training: dequantized again for the held-out streams
         del w
         release_memory(src)
         lc = LayerCalibration(thresholds, freq, None, [], {})
-        _fit_predictor(lc, cfg, x_train, mask_train, x_held, hact_held, ffn_bytes[i], predictor_budget, seed + i)
-        del x_train, h_train, mask_train
-        seconds["predictor"] += time.perf_counter() - t1
-
-        t2 = time.perf_counter()
-        w = TL.load_layer(src, names, i, dev)
-        _advance_heldout(points, streams, dense, w, cfg, rot, lc, bs)
-        seconds["heldout"] += time.perf_counter() - t2
+        heldout = _heldout_split(cfg, x_held, hact_held, thresholds)
+        if i == 0 and adaptive and len(train_h) * T > ADAPTIVE_START:
+            with clock("length_search"):
+                r = predictor_ranks(cfg, ffn_bytes[i], predictor_budget)[-1]
+                keep, search = _converged_sequences(x_train, mask_train, heldout, r, T, seed)
+                rows = (keep[:, None] * T + torch.arange(T)).reshape(-1).to(dev)
+                train_h, x_train, mask_train = train_h[keep.to(dev)], x_train[rows], mask_train[rows]
+        with clock("predictor"):
+            _fit_predictor(lc, x_train, mask_train, heldout, ffn_bytes[i], seed + i,
+                           predictor_ranks(cfg, ffn_bytes[i], predictor_budget))
+            del x_train, mask_train, heldout
+        with clock("load"):
+            w = TL.load_layer(src, names, i, dev)
+        with clock("heldout"):
+            _advance_heldout(points, streams, dense, w, cfg, rot, lc, bs)
         layers.append(lc)
         del w, dense, x_held, hact_held
         release_memory(src)
         if on_layer:
             on_layer(i, lc)
 
-    t3 = time.perf_counter()
-    targets = torch.from_numpy(calib.heldout[:, 1:].reshape(-1))
-    with torch.no_grad():
-        nll = {p.name: float(head.nll(streams[p.name][:, :-1].reshape(-1, cfg.d_model), targets).mean())
-               for p in points}
-        ref = head.logits(streams["dense"][0, :REFERENCE_TOKENS])
-    seconds["head"] = time.perf_counter() - t3
-    return CalibrationResult(layers, nll, int(targets.numel()), seconds, ref.cpu().numpy())
+    with clock("head"):
+        targets = torch.from_numpy(calib.heldout[:, 1:].reshape(-1))
+        with torch.no_grad():
+            nll = {p.name: float(head.nll(streams[p.name][:, :-1].reshape(-1, cfg.d_model), targets).mean())
+                   for p in points}
+            ref = head.logits(streams["dense"][0, :REFERENCE_TOKENS]).cpu().numpy()
+    return CalibrationResult(layers, nll, int(targets.numel()), seconds, ref, int(train_h.shape[0] * T), search)
+
+
+class _Clock:
+    """seconds[phase] += the wall time of each `with clock(phase)` (a CUDA device synchronized
+    first, so that queued work is counted where it was issued)."""
+
+    def __init__(self, seconds, device):
+        self.seconds, self.cuda = seconds, torch.device(device).type == "cuda"
+
+    def __call__(self, phase):
+        self.phase = phase
+        return self
+
+    def __enter__(self):
+        self._sync()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self._sync()
+        self.seconds[self.phase] += time.perf_counter() - self.t0
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _converged_sequences(x_train, mask_train, heldout, rank, T, seed):
+    """The adaptive calibration length (ADAPTIVE_GAIN's rule) at the first layer: predictors of `rank`
+    on a fixed random order of the training sequences, ADAPTIVE_START tokens of them, then twice as
+    many...; returns (the sequence indices kept, sorted; [(tokens, share at 0.99 recall)])."""
+    n_seq = len(x_train) // T
+    order = torch.randperm(n_seq, generator=torch.Generator().manual_seed(seed))
+    n, prev, history = max(1, ADAPTIVE_START // T), None, []
+    while True:
+        n = min(n, n_seq)
+        rows = (order[:n, None] * T + torch.arange(T)).reshape(-1).to(x_train.device)
+        pred = P.train(x_train[rows], mask_train[rows], rank, seed=seed)
+        share = _share_at_99(pred, heldout)[0]
+        history.append((n * T, share))
+        if n == n_seq or (prev is not None and prev - share < ADAPTIVE_GAIN * prev):
+            return order[:n].sort().values, history
+        prev, n = share, 2 * n
 
 
 def _dense_heldout(h, w, cfg, rot, bs):
@@ -248,21 +313,33 @@ def predictor_ranks(cfg, ffn_bytes, budget):
     return sorted({max(32, r_max // 2 // 32 * 32), r_max})
 
 
-def _fit_predictor(lc, cfg, x_train, mask_train, x_held, hact_held, ffn_bytes, budget, seed):
-    """Train at the ranks the byte budget (a share of the layer's FFN bytes) allows; keep the one
-    that reads the fewest bytes per token at 0.99 mass recall, predictor included."""
-    ranks = predictor_ranks(cfg, ffn_bytes, budget)
-    habs = hact_held.abs()
-    active = (hact_held != 0) if cfg.exact_sparse else habs > lc.thresholds[PREDICTOR_SPARSITY]
-    # thresholds from half of PREDICTOR_HELDOUT held-out tokens, quality from the other half
-    habs, active, x_held = habs[:PREDICTOR_HELDOUT], active[:PREDICTOR_HELDOUT], x_held[:PREDICTOR_HELDOUT]
+def _heldout_split(cfg, x_held, hact_held, thresholds):
+    """The predictor's held-out tokens: (x, (|h|, active) of the half that chooses thresholds, the
+    same of the half that checks them), from the first PREDICTOR_HELDOUT held-out tokens."""
+    habs = hact_held[:PREDICTOR_HELDOUT].abs()
+    active = (habs != 0) if cfg.exact_sparse else habs > thresholds[PREDICTOR_SPARSITY]
     half = len(habs) // 2
-    fit, check = (habs[:half], active[:half]), (habs[half:], active[half:])
+    return x_held[:PREDICTOR_HELDOUT], (habs[:half], active[:half]), (habs[half:], active[half:])
+
+
+def _share_at_99(pred, heldout):
+    """(share of neurons the predictor selects for 0.99 held-out mass recall, its scores)."""
+    x, fit, check = heldout
+    s = pred.scores(x)
+    half = len(fit[0])
+    return P.calibrate((s[:half], *fit), (s[half:], *check), targets=(0.99,))[0].candidate_fraction, s
+
+
+def _fit_predictor(lc, x_train, mask_train, heldout, ffn_bytes, seed, ranks):
+    """Train at `ranks` (predictor_ranks: what the byte budget, a share of the layer's FFN bytes,
+    allows); keep the one that reads the fewest bytes per token at 0.99 mass recall, predictor
+    included."""
+    _, fit, check = heldout
+    half = len(fit[0])
     best = None
     for r in ranks:
         pred = P.train(x_train, mask_train, r, seed=seed)
-        s = pred.scores(x_held)
-        at99 = P.calibrate((s[:half], *fit), (s[half:], *check), targets=(0.99,))[0].candidate_fraction
+        at99, s = _share_at_99(pred, heldout)
         lc.ranks_tried[r] = at99
         cost = pred.nbytes() + at99 * ffn_bytes
         if best is None or cost < best[0]:
