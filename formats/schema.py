@@ -118,6 +118,9 @@ FFN_GATE_UP_BIAS = "blk.{}.ffn_gate_up_bias"  # (n_ff, 1 or 2) file order, like 
 FFN_DOWN_BIAS = "blk.{}.ffn_down_bias"      # (d_model,)
 OUTPUT_NORM_BIAS = "output_norm.bias"       # (d_model,)
 POS_EMBD = "pos_embd"                       # (n_ctx_train, d_model) f32, config positions "learned"
+# Optional f32 per-head RMSNorm weights of q and k, applied before RoPE (Qwen3):
+ATTN_Q_NORM = "blk.{}.attn_q_norm.weight"   # (head_dim,)
+ATTN_K_NORM = "blk.{}.attn_k_norm.weight"   # (head_dim,)
 # --quant mixed splits a layer's bundles: the hot prefix (header ffn.hot_rows[i] neurons, f16) stays
 # in FFN_GATE_UP / FFN_DOWN_T, the remaining rows (q4) follow in these:
 FFN_GATE_UP_COLD = "blk.{}.ffn_gate_up_cold"

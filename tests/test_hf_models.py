@@ -77,6 +77,8 @@ CASES = {
                   {"hidden_act": "fatrelu", "hidden_act_param": FATRELU_THRESHOLD}),
     "mistral": (tf.MistralConfig, dict(GATED, sliding_window=16), None, {}),
     "qwen2": (tf.Qwen2Config, dict(GATED), None, {}),
+    # head_dim 32 with 4 heads of a 64-wide model: Qwen3's heads are not hidden_size / heads wide
+    "qwen3": (tf.Qwen3Config, dict(GATED, head_dim=32), None, {}),
     "bamboo": (tf.LlamaConfig, dict(GATED, hidden_act="relu"), _drelu,
                {"model_type": "bamboo", "architectures": ["BambooForCausalLM"]}),
     "opt": (tf.OPTConfig, dict(SHAPE, ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=True), None, {}),
@@ -153,7 +155,8 @@ def test_hf_folder_converts_and_matches_transformers(tmp_path, case):
     assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
 
 
-@pytest.mark.parametrize("case,sparsity", [("opt", "relu:0.99"), ("qwen2", "down:0.3"), ("bamboo", "relu:0.99")])
+@pytest.mark.parametrize("case,sparsity", [("opt", "relu:0.99"), ("qwen2", "down:0.3"), ("qwen3", "predicted:0.99"),
+                                         ("bamboo", "relu:0.99")])
 def test_hf_folder_calibrates_with_biases_and_without_a_gate(tmp_path, case, sparsity):
     """The passes (calibration, predictors, hot-first reordering) on the biased and gate-less
     layouts: dense logits still match transformers, and the planned mode stays close."""
@@ -216,32 +219,39 @@ def test_llama_through_both_front_ends_gives_the_same_logits(tmp_path):
     assert (la.argmax(1) == lb.argmax(1)).all()
 
 
-def test_qwen2_gguf_converts_and_matches_transformers(tmp_path):
-    """A qwen2 GGUF as llama.cpp's converter writes one (Hugging Face's Q/K row order, q/k/v biases,
-    arch-prefixed keys): rotate-half RoPE, and the logits of transformers' Qwen2 on the same weights."""
-    model = make_hf_model(tmp_path / "hf", "qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_converts_and_matches_transformers(tmp_path, arch):
+    """A qwen2/qwen3 GGUF as llama.cpp's converter writes one (Hugging Face's Q/K row order,
+    arch-prefixed keys; qwen2's q/k/v biases, qwen3's per-head q/k norms and its own head width):
+    rotate-half RoPE, and the logits of transformers' model on the same weights."""
+    model = make_hf_model(tmp_path / "hf", arch)
     c = model.config
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
     names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
              "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
     names |= {f"self_attn.{x}_proj.{kind}": f"attn_{x}.{kind}" for x in "qkv" for kind in ("weight", "bias")}
+    names = {hf: gg for hf, gg in names.items() if f"model.layers.0.{hf}" in sd}
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
     if "lm_head.weight" in sd and not c.tie_word_embeddings:
         w["output.weight"] = sd["lm_head.weight"]
     for i in range(c.num_hidden_layers):
         w |= {f"blk.{i}.{gg}": sd[f"model.layers.{i}.{hf}"] for hf, gg in names.items()}
     gguf_path = make_tiny_llama_gguf(
-        tmp_path / "qwen2.gguf", arch_name="qwen2", weights=w, n_layer=c.num_hidden_layers, d_model=c.hidden_size,
+        tmp_path / f"{arch}.gguf", arch_name=arch, weights=w, n_layer=c.num_hidden_layers, d_model=c.hidden_size,
         n_ff=c.intermediate_size, n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads,
         vocab=c.vocab_size, eps=c.rms_norm_eps, ctx=c.max_position_embeddings,
-        extra_kv={"tokenizer.ggml.pre": "qwen2"})
-    m = Model(_convert(gguf_path, tmp_path / "qwen2.pinf"), RuntimeOptions(threads=1, n_ctx=128))
-    assert m.cfg.arch == "qwen2" and m.cfg.rope_interleaved is False
+        extra_kv={"tokenizer.ggml.pre": "qwen2", f"{arch}.attention.key_length": head_dim,
+                  f"{arch}.attention.value_length": head_dim, f"{arch}.rope.dimension_count": head_dim})
+    m = Model(_convert(gguf_path, tmp_path / f"{arch}.pinf"), RuntimeOptions(threads=1, n_ctx=128))
+    assert m.cfg.arch == arch and m.cfg.rope_interleaved is False and m.cfg.head_dim == head_dim
+    assert (f"blk.0.attn_q_norm.weight" in m.reader.header["tensors"]) == (arch == "qwen3")
     ids = [int(i) for i in np.random.default_rng(4).integers(0, c.vocab_size, N_TOKENS)]
     got, ref = m.forward(ids, logits_from=0), _reference(model, ids)
     rel = np.abs(got - ref).max() / np.abs(ref).max()
-    print(f"qwen2 GGUF: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e})")
+    print(f"{arch} GGUF: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e})")
     assert rel <= TOL and (got.argmax(1) == ref.argmax(1)).mean() >= TOP1
     assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
 

@@ -64,6 +64,25 @@ def _act(b, cfg, g):
     return b.node("Relu", [g])      # relu, drelu
 
 
+def head_rms_norm(b, cfg, x, n_heads, gamma):
+    """RMSNorm of each head's head_dim values in x (1, S, n_heads * head_dim), weight `gamma`."""
+    hd = cfg.head_dim
+    heads = b.node("Reshape", [x, b.const(np.array([1, -1, n_heads, hd]))])
+    ms = b.node("ReduceMean", [b.node("Mul", [heads, heads]), b.const(np.array([-1]))], keepdims=1)
+    inv = b.node("Reciprocal", [b.node("Sqrt", [b.node("Add", [ms, b.const(np.float32(cfg.norm_eps))])])])
+    normed = b.node("Mul", [b.node("Mul", [heads, inv]), b.weight(gamma)])
+    return b.node("Reshape", [normed, b.const(np.array([1, -1, n_heads * hd]))])
+
+
+def qk_norm(b, cfg, layer, qkv):
+    """Qwen3's per-head RMSNorm of q and k, before RoPE (which GroupQueryAttention applies)."""
+    hd, hkv = cfg.head_dim, cfg.n_head_kv
+    q, k, v = b.node("Split", [qkv, b.const(np.array([cfg.n_head * hd, hkv * hd, hkv * hd]))], n_out=3, axis=2)
+    q = head_rms_norm(b, cfg, q, cfg.n_head, S.ATTN_Q_NORM.format(layer))
+    k = head_rms_norm(b, cfg, k, hkv, S.ATTN_K_NORM.format(layer))
+    return b.node("Concat", [q, k, v], axis=2)
+
+
 def layer_graph(cfg, layer, weights, directory):
     """Layer `layer`: (resid, delta) -> (resid_out, ffn_h, ffn_x); delta is the previous FFN's output.
 
@@ -85,6 +104,8 @@ def layer_graph(cfg, layer, weights, directory):
     x, r1 = norm_skip(b, cfg, delta, resid, S.ATTN_NORM.format(layer), S.ATTN_NORM_BIAS.format(layer))
     qkv_base = S.ATTN_QKV.format(layer)
     qkv = add_bias(b, b.linear(x, qkv_base, weights[qkv_base], n_qkv, d), S.ATTN_QKV_BIAS.format(layer))
+    if S.ATTN_Q_NORM.format(layer) in directory:
+        qkv = qk_norm(b, cfg, layer, qkv)
     rope = cfg.positions == "rope"
     attrs = dict(num_heads=cfg.n_head, kv_num_heads=hkv, do_rotary=int(rope),
                  rotary_interleaved=int(cfg.rope_interleaved))

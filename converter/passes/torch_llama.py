@@ -29,11 +29,12 @@ class LayerWeights:
     gate: torch.Tensor | None  # (n_ff, d); None without a gate (OPT)
     up: torch.Tensor          # (n_ff, d)
     down: torch.Tensor        # (d, n_ff)
-    bias: dict                # role -> (n,) for the biases the model has (BIAS_ROLES)
+    bias: dict                # role -> (n,) for the optional vectors the model has (BIAS_ROLES)
 
 
 BIAS_ROLES = ("attn_norm_bias", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias",
-              "ffn_norm_bias", "ffn_gate_bias", "ffn_up_bias", "ffn_down_bias")
+              "ffn_norm_bias", "ffn_gate_bias", "ffn_up_bias", "ffn_down_bias",
+              "attn_q_norm", "attn_k_norm")     # the last two: Qwen3's per-head q/k RMSNorm weights
 
 
 def _tensor(a):
@@ -100,6 +101,8 @@ def attention(h, w, cfg, rotary):
     q = _linear(x, w.wq, bias("attn_q_bias")).view(B, T, cfg.n_head, hd).transpose(1, 2)
     k = _linear(x, w.wk, bias("attn_k_bias")).view(B, T, cfg.n_head_kv, hd).transpose(1, 2)
     v = _linear(x, w.wv, bias("attn_v_bias")).view(B, T, cfg.n_head_kv, hd).transpose(1, 2)
+    if "attn_q_norm" in w.bias:
+        q, k = rms_norm(q, bias("attn_q_norm"), cfg.norm_eps), rms_norm(k, bias("attn_k_norm"), cfg.norm_eps)
     if cfg.positions == "rope":
         q, k = rotary(q), rotary(k)
     group = cfg.n_head // cfg.n_head_kv

@@ -14,6 +14,7 @@ ARCHS = {
     "llama": "llama",
     "mistral": "llama",  # GGUF mistral files that keep their own name are llama-shaped
     "qwen2": "llama",    # q/k/v biases; rotate-half RoPE (llama.cpp's NEOX: Q/K rows not permuted)
+    "qwen3": "llama",    # per-head q/k RMSNorm; rotate-half RoPE
 }
 
 # Hugging Face config.json model_type -> module name in this package
@@ -21,6 +22,7 @@ HF_ARCHS = {
     "llama": "llama",      # Llama 2/3, SmolLM2, TinyLlama; ReluLLaMA (relu), ProSparse (fatrelu)
     "mistral": "llama",    # sliding-window attention
     "qwen2": "llama",      # q/k/v biases
+    "qwen3": "llama",      # per-head q/k RMSNorm, head_dim apart from hidden_size / heads
     "bamboo": "llama",     # dReLU: relu on gate and on up
     "opt": "opt",          # LayerNorm, biases, learned positions, relu FFN without a gate
 }
@@ -28,7 +30,7 @@ HF_ARCHS = {
 OPTIONAL = frozenset({
     "output", "rope_freqs", "pos_embd", "output_norm_bias",
     "attn_norm_bias", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias",
-    "ffn_norm_bias", "ffn_gate_bias", "ffn_up_bias", "ffn_down_bias",
+    "ffn_norm_bias", "ffn_gate_bias", "ffn_up_bias", "ffn_down_bias", "attn_q_norm", "attn_k_norm",
 })
 
 

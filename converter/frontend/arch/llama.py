@@ -1,5 +1,6 @@
-"""LLaMA family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, ReluLLaMA, ProSparse, Bamboo):
-GQA, RMSNorm, a gated FFN, RoPE; Qwen2's q/k/v biases; Mistral's sliding window.
+"""LLaMA family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, ReluLLaMA, ProSparse, Bamboo):
+GQA, RMSNorm, a gated FFN, RoPE; Qwen2's q/k/v biases; Qwen3's per-head RMSNorm of q and k before
+RoPE; Mistral's sliding window.
 
 Q/K row order, the one place it is handled: GGUF stores attn_q/attn_k rows permuted for GGML's
 "normal" RoPE, which rotates adjacent pairs (2i, 2i+1), so GGUF configs say rope_interleaved; a
@@ -37,6 +38,8 @@ TENSORS = {
     "ffn_gate_bias": "blk.{}.ffn_gate.bias",
     "ffn_up_bias": "blk.{}.ffn_up.bias",
     "ffn_down_bias": "blk.{}.ffn_down.bias",
+    "attn_q_norm": "blk.{}.attn_q_norm.weight",   # (head_dim,) Qwen3
+    "attn_k_norm": "blk.{}.attn_k_norm.weight",
 }
 
 # canonical name -> Hugging Face name ("{}" is the layer index) for LlamaForCausalLM and kin
@@ -60,6 +63,8 @@ HF_TENSORS = {
     "blk.{}.ffn_gate.bias": "model.layers.{}.mlp.gate_proj.bias",
     "blk.{}.ffn_up.bias": "model.layers.{}.mlp.up_proj.bias",
     "blk.{}.ffn_down.bias": "model.layers.{}.mlp.down_proj.bias",
+    "blk.{}.attn_q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
+    "blk.{}.attn_k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
 }
 
 # Hugging Face hidden_act -> pinfer ffn_act; Bamboo's dReLU is its own model type
@@ -69,7 +74,7 @@ ACTIVATION_KEY = "pinfer.feed_forward_activation"
 
 # GGUF architectures whose converters keep Hugging Face's Q/K row order: RoPE rotates halves (what
 # llama.cpp calls NEOX) rather than the adjacent pairs llama files are permuted into
-ROTATE_HALF = frozenset({"qwen2"})
+ROTATE_HALF = frozenset({"qwen2", "qwen3"})
 
 # GGUF metadata key (after "{arch}.") -> config field, for the required integers and floats
 KEYS = {
