@@ -157,6 +157,7 @@ def _front_end(opts):
             src = GGUFSource(src_path)
             mod = arch.get(src.architecture)    # before any tensor is read
             cfg = mod.config_from_gguf(src.meta, src.tensor_names())
+            src.split_rows(mod.gguf_row_splits(cfg))
         names = src.tensor_names()
         tokenizer = src.tokenizer_spec()
     except (SourceError, arch.UnsupportedArchitecture, ValueError) as e:

@@ -79,6 +79,11 @@ CASES = {
     "qwen2": (tf.Qwen2Config, dict(GATED), None, {}),
     # head_dim 32 with 4 heads of a 64-wide model: Qwen3's heads are not hidden_size / heads wide
     "qwen3": (tf.Qwen3Config, dict(GATED, head_dim=32), None, {}),
+    # fused qkv_proj and gate_up_proj; RoPE over the first half of each head (32 wide: ONNX Runtime
+    # takes partial rotary tables in multiples of 8)
+    "phi3": (tf.Phi3Config, dict(GATED, num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.5}), None, {}),
     "bamboo": (tf.LlamaConfig, dict(GATED, hidden_act="relu"), _drelu,
                {"model_type": "bamboo", "architectures": ["BambooForCausalLM"]}),
     "opt": (tf.OPTConfig, dict(SHAPE, ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=True), None, {}),
@@ -156,6 +161,7 @@ def test_hf_folder_converts_and_matches_transformers(tmp_path, case):
 
 
 @pytest.mark.parametrize("case,sparsity", [("opt", "relu:0.99"), ("qwen2", "down:0.3"), ("qwen3", "predicted:0.99"),
+                                         ("phi3", "down:0.3"),
                                          ("bamboo", "relu:0.99")])
 def test_hf_folder_calibrates_with_biases_and_without_a_gate(tmp_path, case, sparsity):
     """The passes (calibration, predictors, hot-first reordering) on the biased and gate-less
@@ -256,6 +262,64 @@ def test_qwen_gguf_converts_and_matches_transformers(tmp_path, arch):
     assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
 
 
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0"])
+def test_phi3_gguf_converts_and_matches_transformers(tmp_path, qtype):
+    """A phi3 GGUF as llama.cpp's converter writes one: q, k, v in one attn_qkv and gate, up in one
+    ffn_up of 2 n_ff rows, each quantized as a whole; pinfer offers their row ranges as the llama
+    roles, blocks carried over. F32 against transformers' Phi3; the quantized files against a GGUF
+    of the same weights with the parts stored apart (qwen2's layout: rotate-half RoPE too), whose
+    blocks are the same rows: the same runtime numerics, so the same logits to float rounding."""
+    model = make_hf_model(tmp_path / "hf", "phi3")
+    c = model.config
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
+             "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    w = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+         "output.weight": sd["lm_head.weight"]}
+    for i in range(c.num_hidden_layers):
+        w |= {f"blk.{i}.{gg}": sd[f"model.layers.{i}.{hf}"] for hf, gg in names.items()}
+    head_dim, n_ff = c.hidden_size // c.num_attention_heads, c.intermediate_size
+    shape = dict(qtype=qtype, n_layer=c.num_hidden_layers, d_model=c.hidden_size, n_ff=n_ff,
+                 n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads, vocab=c.vocab_size,
+                 eps=c.rms_norm_eps, ctx=c.max_position_embeddings)
+    gguf_path = make_tiny_llama_gguf(tmp_path / "phi3.gguf", arch_name="phi3", weights=w, **shape,
+                                     extra_kv={"phi3.rope.dimension_count": head_dim // 2})
+    m = Model(_convert(gguf_path, tmp_path / "phi3.pinf"), RuntimeOptions(threads=1, n_ctx=128))
+    assert m.cfg.arch == "phi3" and m.cfg.rope_interleaved is False and m.cfg.rotary_dim == head_dim // 2
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, c.vocab_size, N_TOKENS)]
+    got = m.forward(ids, logits_from=0)
+    if qtype == "F32":
+        ref = _reference(model, ids)
+    else:
+        assert m.reader.header["tensors"]["blk.0.attn_qkv.q"]["dtype"] in ("i8", "u8")   # blocks carried over
+        q = c.num_attention_heads * head_dim
+        kv = c.num_key_value_heads * head_dim
+        apart = {k: v for k, v in w.items() if not k.endswith(("attn_qkv.weight", "ffn_up.weight"))}
+        for i in range(c.num_hidden_layers):
+            qkv, gu = w[f"blk.{i}.attn_qkv.weight"], w[f"blk.{i}.ffn_up.weight"]
+            apart |= {f"blk.{i}.attn_q.weight": qkv[:q], f"blk.{i}.attn_k.weight": qkv[q:q + kv],
+                      f"blk.{i}.attn_v.weight": qkv[q + kv:], f"blk.{i}.ffn_gate.weight": gu[:n_ff],
+                      f"blk.{i}.ffn_up.weight": gu[n_ff:]}
+        other = make_tiny_llama_gguf(tmp_path / "apart.gguf", arch_name="qwen2", weights=apart, **shape,
+                                     extra_kv={"qwen2.rope.dimension_count": head_dim // 2})
+        ref = Model(_convert(other, tmp_path / "apart.pinf"), RuntimeOptions(threads=1, n_ctx=128)).forward(
+            ids, logits_from=0)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"phi3 GGUF {qtype}: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e})")
+    assert rel <= TOL and (got.argmax(1) == ref.argmax(1)).mean() >= TOP1
+
+
+def test_phi3_longrope_is_refused_before_reading_tensors(tmp_path):
+    d = tmp_path / "long"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"],
+                                               "rope_scaling": {"type": "longrope", "long_factor": [1.0]}}))
+    (d / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConvertError, match="longrope RoPE scaling"):
+        _convert(d, tmp_path / "x.pinf")
+
+
 @pytest.mark.parametrize("config", [
     {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64},
     {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "vision_config": {}},
@@ -270,7 +334,7 @@ def test_unsupported_architecture_fails_before_reading_tensors(tmp_path, config)
         _convert(d, tmp_path / "x.pinf")
     msg = str(e.value)
     assert repr(config["model_type"]) in msg and config["architectures"][0] in msg
-    assert "llama, mistral, opt, qwen2" in msg.replace("bamboo, ", "")
+    assert "llama, mistral, opt, phi3, qwen2, qwen3" in msg.replace("bamboo, ", "")
     assert not (tmp_path / "x.pinf").exists()
 
 

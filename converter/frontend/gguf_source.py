@@ -49,6 +49,7 @@ class GGUFSource:
         # d_model), which is pinfer's down_t: it is offered under the ffn_down role's name, floats()
         # transposes it back, and the back end carries its blocks over as down_t (down_t_block)
         self.powerinfer = h.powerinfer
+        self._rows = {}           # name -> (stored name, first row, end row): split_rows
         self._down_t = {}
         if h.powerinfer:
             for name in list(self._tensors):
@@ -73,7 +74,20 @@ class GGUFSource:
         return self.powerinfer
 
     def tensor_names(self):
-        return set(self._tensors) | set(self._down_t)
+        return set(self._tensors) | set(self._down_t) | set(self._rows)
+
+    def split_rows(self, splits):
+        """Offer row ranges of stored tensors under names of their own (phi3's fused projections):
+        {name: (stored name, first row, end row)}; a range that is not inside its tensor is refused."""
+        for name, (stored, r0, r1) in splits.items():
+            t = self._tensors.get(stored)
+            if t is None:
+                raise SourceError(f"{self.path} lacks the tensor {stored}")
+            rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
+            if not 0 <= r0 < r1 <= rows:
+                raise SourceError(f"{self.path}: {stored} has {rows} rows, not the {r1} the model's "
+                                  f"configuration implies; the file is inconsistent")
+        self._rows = dict(splits)
 
     def down_t_block(self, name):
         """(format, parts) of down_t (n_ff, d_model), exactly, from a PowerInfer file's ffn_down_t
@@ -83,7 +97,13 @@ class GGUFSource:
 
     def tensor(self, name):
         """The stored tensor (a PowerInfer file's ffn_down role: its ffn_down_t, a row per neuron)."""
-        name = self._down_t.get(name, name)
+        if name in self._rows:
+            stored, r0, r1 = self._rows[name]
+            t = self._stored(stored)
+            return SourceTensor(name, t.ttype, r1 - r0, t.k, t.raw[r0:r1])
+        return self._stored(self._down_t.get(name, name))
+
+    def _stored(self, name):
         t = self._tensors.get(name)
         if t is None:
             raise SourceError(f"{self.path} lacks the tensor {name}")
@@ -94,10 +114,14 @@ class GGUFSource:
         return SourceTensor(name, t.ttype, rows, k, raw)
 
     def nbytes(self, name):
+        if name in self._rows:
+            stored, r0, r1 = self._rows[name]
+            t = self._entry(stored)
+            return t.nbytes * (r1 - r0) // (int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1)
         return self._entry(name).nbytes
 
     def ttype(self, name):
-        return self._entry(name).ttype
+        return self._entry(self._rows[name][0] if name in self._rows else name).ttype
 
     def _entry(self, name):
         t = self._tensors.get(self._down_t.get(name, name))

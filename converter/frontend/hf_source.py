@@ -29,6 +29,16 @@ def _safetensors_names(path):
         raise SourceError(f"{path} could not be read as safetensors ({e}); re-download it") from None
 
 
+class RowSlice:
+    """The transform that offers rows r0:r1 of a Hugging Face tensor (a fused projection's part)."""
+
+    def __init__(self, r0, r1):
+        self.r0, self.r1 = r0, r1
+
+    def __call__(self, a):
+        return a[self.r0:self.r1]
+
+
 class HFSource:
     """One Hugging Face model folder. Only config.json is read until `configure`."""
 
@@ -126,13 +136,16 @@ class HFSource:
     def nbytes(self, name):
         """Bytes of the tensor as stored in the source, from the file's header alone."""
         from safetensors import safe_open
-        hf_name, _ = self._map[name]
+        hf_name, transform = self._map[name]
         if hf_name is None:
             return self._array(name).nbytes
         with safe_open(self._files[hf_name], framework="pt") as f:
             s = f.get_slice(hf_name)
             size = {"F32": 4, "F64": 8}.get(s.get_dtype(), 2)
-            return size * int(np.prod(s.get_shape()))
+            shape = list(s.get_shape())
+            if isinstance(transform, RowSlice):
+                shape[0] = transform.r1 - transform.r0
+            return size * int(np.prod(shape))
 
     def ttype(self, name):
         """The GGUF type tensor() gives, from the header: F32 for f32, F16 otherwise (bf16 too,

@@ -15,6 +15,7 @@ ARCHS = {
     "mistral": "llama",  # GGUF mistral files that keep their own name are llama-shaped
     "qwen2": "llama",    # q/k/v biases; rotate-half RoPE (llama.cpp's NEOX: Q/K rows not permuted)
     "qwen3": "llama",    # per-head q/k RMSNorm; rotate-half RoPE
+    "phi3": "phi3",      # fused qkv and gate/up projections; rotate-half RoPE
 }
 
 # Hugging Face config.json model_type -> module name in this package
@@ -23,6 +24,7 @@ HF_ARCHS = {
     "mistral": "llama",    # sliding-window attention
     "qwen2": "llama",      # q/k/v biases
     "qwen3": "llama",      # per-head q/k RMSNorm, head_dim apart from hidden_size / heads
+    "phi3": "phi3",        # fused qkv_proj and gate_up_proj; partial rotary
     "bamboo": "llama",     # dReLU: relu on gate and on up
     "opt": "opt",          # LayerNorm, biases, learned positions, relu FFN without a gate
 }

@@ -126,6 +126,11 @@ def config_from_gguf(meta, tensor_names):
     )
 
 
+def gguf_row_splits(cfg):
+    """Roles held as row ranges of a fused GGUF tensor (phi3.py has them): none here."""
+    return {}
+
+
 def rope_from_hf(c):
     """(kind, base, scaling parameters) from a config.json: transformers 5 writes rope_parameters,
     earlier versions rope_theta and rope_scaling."""
