@@ -274,7 +274,8 @@ def _layer(src, T, cfg, i, w, em, lay, quant, hot=None):
     w.add_tensor(S.FFN_NORM.format(i), vec("ffn_norm"))
     for role, name in (("attn_norm_bias", S.ATTN_NORM_BIAS), ("ffn_norm_bias", S.FFN_NORM_BIAS),
                        ("attn_output_bias", S.ATTN_OUT_BIAS), ("ffn_down_bias", S.FFN_DOWN_BIAS),
-                       ("attn_q_norm", S.ATTN_Q_NORM), ("attn_k_norm", S.ATTN_K_NORM)):
+                       ("attn_q_norm", S.ATTN_Q_NORM), ("attn_k_norm", S.ATTN_K_NORM),
+                       ("attn_post_norm", S.ATTN_POST_NORM), ("ffn_post_norm", S.FFN_POST_NORM)):
         if role in T:
             w.add_tensor(name.format(i), vec(role))
     _biases(src, T, cfg, i, w, lay.perm)

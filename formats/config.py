@@ -9,10 +9,11 @@ from dataclasses import dataclass
 # enough that nothing sized by them can overflow or allocate without end.
 _INT_BOUNDS = {"n_layer": (1, 4096), "d_model": (1, 65536), "n_ff": (1, 1 << 20), "n_head": (1, 4096),
                "n_head_kv": (1, 4096), "head_dim": (1, 4096), "vocab": (1, 1 << 24), "n_ctx_train": (1, 1 << 24),
-               "rotary_dim": (0, 4096), "sliding_window": (0, 1 << 24)}
+               "rotary_dim": (0, 4096), "sliding_window": (0, 1 << 24), "sliding_pattern": (0, 4096)}
 _CHOICES = {"ffn_act": ("silu", "relu", "drelu", "fatrelu", "gelu"), "norm": ("rms", "layer"),
             "positions": ("rope", "learned")}
 _BOOLS = ("rope_interleaved", "tied_embeddings", "ffn_gated")
+_ZERO_ALLOWED = ("ffn_act_threshold", "rope_base_local", "attn_softcap", "final_softcap", "attn_scale")
 
 
 def _check_field(name, v, values):
@@ -31,8 +32,9 @@ def _check_field(name, v, values):
         if not isinstance(v, str):
             return "expected a name"
     elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
-            (name != "ffn_act_threshold" and v <= 0):
-        return "expected a finite number" + ("" if name == "ffn_act_threshold" else " above 0")
+            (name not in _ZERO_ALLOWED and v <= 0) or (name != "ffn_act_threshold" and v < 0):
+        return "expected a finite number" + ("" if name == "ffn_act_threshold" else
+                                             " from 0" if name in _ZERO_ALLOWED else " above 0")
     if name == "n_head_kv" and isinstance(values.get("n_head"), int) and not isinstance(values["n_head"], bool) \
             and values["n_head"] % v:
         return "expected a divisor of n_head"
@@ -57,7 +59,8 @@ class ModelConfig:
     rope_linear_scale: float = 1.0   # positions are divided by this ("linear" RoPE scaling)
     # FFN: h = act(gate x) * (up x) when gated, else h = act(up x) (OPT's fc1); act is "silu"
     # (SwiGLU), "relu" (ReGLU, ReluLLaMA, OPT), "drelu" (Bamboo: relu on gate and on up) or
-    # "fatrelu" (ProSparse: gate values at or below ffn_act_threshold become 0)
+    # "fatrelu" (ProSparse: gate values at or below ffn_act_threshold become 0) or "gelu" (GeGLU:
+    # tanh-approximated GELU on the gate; Gemma)
     ffn_act: str = "silu"
     tied_embeddings: bool = False
     ffn_gated: bool = True
@@ -65,6 +68,23 @@ class ModelConfig:
     norm: str = "rms"         # "rms" (RMSNorm) or "layer" (LayerNorm with a bias)
     positions: str = "rope"   # "rope", or "learned": rows of pos_embd added to the embeddings
     sliding_window: int = 0   # attend to at most this many latest positions (0: all; Mistral)
+    # Gemma 2/3: windowed and global layers alternate: with sliding_pattern N > 0, layer i is windowed
+    # unless (i + 1) % N == 0 (0: every layer, when sliding_window is set); windowed layers rotate
+    # with rope_base_local where it is set (Gemma 3: 10000, globals 1e6), unscaled
+    sliding_pattern: int = 0
+    rope_base_local: float = 0.0
+    embed_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(d_model))
+    attn_scale: float = 0.0   # attention's q.k scale (0: 1/sqrt(head_dim))
+    attn_softcap: float = 0.0  # scores become c * tanh(scores / c) (0: none; Gemma 2: 50)
+    final_softcap: float = 0.0  # the same on the logits (Gemma 2: 30)
+
+    def windowed(self, i):
+        """Whether layer i attends within sliding_window."""
+        return bool(self.sliding_window) and (not self.sliding_pattern or (i + 1) % self.sliding_pattern != 0)
+
+    def rope_local(self, i):
+        """Whether layer i rotates with rope_base_local (unscaled) rather than rope_base."""
+        return bool(self.rope_base_local) and self.windowed(i)
 
     @property
     def exact_sparse(self):

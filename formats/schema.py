@@ -121,6 +121,10 @@ POS_EMBD = "pos_embd"                       # (n_ctx_train, d_model) f32, config
 # Optional f32 per-head RMSNorm weights of q and k, applied before RoPE (Qwen3):
 ATTN_Q_NORM = "blk.{}.attn_q_norm.weight"   # (head_dim,)
 ATTN_K_NORM = "blk.{}.attn_k_norm.weight"   # (head_dim,)
+# Optional f32 RMSNorm weights of the attention's and the FFN's outputs, before each is added to the
+# residual stream (Gemma 2/3); the FFN's is applied by the next layer's graph (or the head's):
+ATTN_POST_NORM = "blk.{}.post_attention_norm.weight"   # (d_model,)
+FFN_POST_NORM = "blk.{}.post_ffw_norm.weight"          # (d_model,)
 # --quant mixed splits a layer's bundles: the hot prefix (header ffn.hot_rows[i] neurons, f16) stays
 # in FFN_GATE_UP / FFN_DOWN_T, the remaining rows (q4) follow in these:
 FFN_GATE_UP_COLD = "blk.{}.ffn_gate_up_cold"

@@ -7,13 +7,15 @@ import numpy as np
 from .ort import Buf
 
 
-def rope_tables(cfg, n_ctx, freq_divisors=None):
-    """cos/sin caches (n_ctx, rotary_dim/2) for positions 0..n_ctx-1."""
+def rope_tables(cfg, n_ctx, freq_divisors=None, local=False):
+    """cos/sin caches (n_ctx, rotary_dim/2) for positions 0..n_ctx-1; local: the windowed layers'
+    own base, unscaled (cfg.rope_local)."""
     half = cfg.rotary_dim // 2
-    inv = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2 / cfg.rotary_dim)
-    if freq_divisors is not None:
+    base, scale = (cfg.rope_base_local, 1.0) if local else (cfg.rope_base, cfg.rope_linear_scale)
+    inv = base ** (-np.arange(half, dtype=np.float64) * 2 / cfg.rotary_dim)
+    if freq_divisors is not None and not local:
         inv = inv / np.asarray(freq_divisors, np.float64)
-    pos = np.arange(n_ctx, dtype=np.float64) / cfg.rope_linear_scale
+    pos = np.arange(n_ctx, dtype=np.float64) / scale
     ang = np.outer(pos, inv)
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
@@ -23,10 +25,13 @@ class AttentionState:
     def __init__(self, cfg, n_ctx, dtype, device, freq_divisors=None):
         kv_shape = (1, cfg.n_head_kv, n_ctx, cfg.head_dim)
         self.kv = [(Buf(kv_shape, dtype, device), Buf(kv_shape, dtype, device)) for _ in range(cfg.n_layer)]
-        tables = rope_tables(cfg, n_ctx, freq_divisors)
-        self.cos, self.sin = (Buf(t.shape, dtype, device) for t in tables)
-        for buf, table in zip((self.cos, self.sin), tables):
-            buf.write(table)
+        self.tables = {}          # local? -> (cos, sin), the windowed layers' own where they have one
+        for local in sorted({cfg.rope_local(i) for i in range(cfg.n_layer)}):
+            tables = rope_tables(cfg, n_ctx, freq_divisors, local)
+            self.tables[local] = tuple(Buf(t.shape, dtype, device) for t in tables)
+            for buf, table in zip(self.tables[local], tables):
+                buf.write(table)
+        self.local = [cfg.rope_local(i) for i in range(cfg.n_layer)]
         # GroupQueryAttention's lengths: seqlens_k (total length - 1) is read on the device, so it
         # lives there, written once per call for every layer (a host array would be copied to the
         # GPU once, when bound, and keep its first value); total_sequence_length is read on the host.
@@ -41,8 +46,9 @@ class AttentionState:
         """Bind the KV cache, lengths and RoPE tables to layer sessions (Bound), layer i to sessions[i]."""
         for i, layer in enumerate(sessions):
             k, v = self.kv[i]
+            cos, sin = self.tables[self.local[i]]
             for name, a in (("past_key", k), ("past_value", v), ("seqlens_k", self.seqlens),
-                            ("total_len", self.total), ("cos_cache", self.cos), ("sin_cache", self.sin)):
+                            ("total_len", self.total), ("cos_cache", cos), ("sin_cache", sin)):
                 layer.bind_in(name, a)
             layer.bind_out("present_key", k)
             layer.bind_out("present_value", v)

@@ -157,7 +157,10 @@ class Model:
         self.attention.set_lengths(self.n_past, n)
 
     def embed(self, tokens):
-        return blocks.dequantize(self.embd_format, self.embd_parts, rows=np.asarray(tokens))
+        rows = blocks.dequantize(self.embd_format, self.embd_parts, rows=np.asarray(tokens))
+        if self.cfg.embed_scale != 1.0:         # Gemma: sqrt(d_model), in float32 as transformers does
+            rows *= np.float32(self.cfg.embed_scale)
+        return rows
 
     def reset(self):
         self.n_past = 0

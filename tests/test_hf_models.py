@@ -15,6 +15,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,6 +85,13 @@ CASES = {
     "phi3": (tf.Phi3Config, dict(GATED, num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "partial_rotary_factor": 0.5}), None, {}),
+    # GeGLU, norms after attention and the FFN, sqrt(d) embeddings, a 16-token window on every other
+    # layer, an attention scale of 24^-0.5 (not head_dim's), soft caps small enough to bite
+    "gemma2": (tf.Gemma2Config, dict(GATED, head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+                                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0), None, {}),
+    # five windowed layers rotating with base 10000, then a global one with base 1e6; q/k norms
+    "gemma3": (tf.Gemma3TextConfig, dict(GATED, num_hidden_layers=6, head_dim=16, sliding_window=16,
+                                         query_pre_attn_scalar=24), None, {}),
     "bamboo": (tf.LlamaConfig, dict(GATED, hidden_act="relu"), _drelu,
                {"model_type": "bamboo", "architectures": ["BambooForCausalLM"]}),
     "opt": (tf.OPTConfig, dict(SHAPE, ffn_dim=128, word_embed_proj_dim=64, do_layer_norm_before=True), None, {}),
@@ -161,7 +169,7 @@ def test_hf_folder_converts_and_matches_transformers(tmp_path, case):
 
 
 @pytest.mark.parametrize("case,sparsity", [("opt", "relu:0.99"), ("qwen2", "down:0.3"), ("qwen3", "predicted:0.99"),
-                                         ("phi3", "down:0.3"),
+                                         ("phi3", "down:0.3"), ("gemma2", "down:0.3"), ("gemma3", "down:0.3"),
                                          ("bamboo", "relu:0.99")])
 def test_hf_folder_calibrates_with_biases_and_without_a_gate(tmp_path, case, sparsity):
     """The passes (calibration, predictors, hot-first reordering) on the biased and gate-less
@@ -171,6 +179,11 @@ def test_hf_folder_calibrates_with_biases_and_without_a_gate(tmp_path, case, spa
                    PassOptions(sparsity=sparsity, order="hot-first", calib_tokens=2048, heldout_tokens=1024, seq_len=64))
     m = Model(out, RuntimeOptions(threads=1, n_ctx=128, sparsity="dense", kernels="off"))
     assert m.reader.header["ffn"]["neuron_order"] == "hot-first"
+    # the calibration's own PyTorch model (converter/passes/torch_llama.py) against the runtime, dense:
+    # the converter's verification, teacher-forced over its held-out text
+    tf_check = json.loads(Path(str(out) + ".report.json").read_text())["verification"]["teacher_forced"]
+    print(f"{case}: calibration model vs runtime, max |dlogit| {tf_check['max_abs_diff']:.2e}")
+    assert tf_check["max_abs_diff"] <= 1e-3 and tf_check["top1_agreement"] == 1.0
     # text, not random ids: the predictors learned the calibration text's activations
     ids = Tokenizer.from_spec(m.tokenizer_spec).encode(TEXT)[:N_TOKENS]
     assert len(ids) == N_TOKENS
@@ -310,6 +323,50 @@ def test_phi3_gguf_converts_and_matches_transformers(tmp_path, qtype):
     assert rel <= TOL and (got.argmax(1) == ref.argmax(1)).mean() >= TOP1
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_converts_and_matches_transformers(tmp_path, arch):
+    """A gemma2/gemma3 GGUF as llama.cpp's converter writes one: every norm stored as 1 + w, the
+    post-attention and post-FFN norms under their GGUF names, the window and soft caps as keys, the
+    head tied to the embedding, and the sliding pattern and Gemma 3's local RoPE base implied by the
+    architecture. GGUF has no query_pre_attn_scalar (1/sqrt(head_dim), as llama.cpp), so the
+    reference's attention is given that scale."""
+    model = make_hf_model(tmp_path / "hf", arch)
+    c = model.config
+    for layer in model.model.layers:
+        layer.self_attn.scaling = c.head_dim ** -0.5
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    w = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + 1}
+    for i in range(c.num_hidden_layers):
+        for hf, gg in names.items():
+            a = sd.get(f"model.layers.{i}.{hf}.weight")
+            if a is not None:
+                w[f"blk.{i}.{gg}.weight"] = a + 1 if "norm" in hf else a
+    keys = {f"{arch}.attention.key_length": c.head_dim, f"{arch}.attention.value_length": c.head_dim,
+            f"{arch}.rope.dimension_count": c.head_dim, f"{arch}.attention.sliding_window": c.sliding_window,
+            f"{arch}.rope.freq_base": 1e6 if arch == "gemma3" else 10000.0}
+    if arch == "gemma2":
+        keys |= {"gemma2.attn_logit_softcapping": c.attn_logit_softcapping,
+                 "gemma2.final_logit_softcapping": c.final_logit_softcapping}
+    gguf_path = make_tiny_llama_gguf(
+        tmp_path / f"{arch}.gguf", arch_name=arch, weights=w, n_layer=c.num_hidden_layers, d_model=c.hidden_size,
+        n_ff=c.intermediate_size, n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads,
+        vocab=c.vocab_size, eps=c.rms_norm_eps, ctx=c.max_position_embeddings, extra_kv=keys)
+    m = Model(_convert(gguf_path, tmp_path / f"{arch}.pinf"), RuntimeOptions(threads=1, n_ctx=128))
+    assert m.cfg.arch == arch and m.cfg.ffn_act == "gelu" and m.cfg.tied_embeddings
+    ids = [int(i) for i in np.random.default_rng(6).integers(0, c.vocab_size, N_TOKENS)]
+    got, ref = m.forward(ids, logits_from=0), _reference(model, ids)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"{arch} GGUF: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e})")
+    assert rel <= TOL and (got.argmax(1) == ref.argmax(1)).mean() >= TOP1
+    assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
+
+
 def test_phi3_longrope_is_refused_before_reading_tensors(tmp_path):
     d = tmp_path / "long"
     d.mkdir()
@@ -321,7 +378,7 @@ def test_phi3_longrope_is_refused_before_reading_tensors(tmp_path):
 
 
 @pytest.mark.parametrize("config", [
-    {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64},
+    {"model_type": "gemma", "architectures": ["GemmaForCausalLM"], "hidden_size": 64},
     {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "vision_config": {}},
     {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "text_config": {}},
 ])

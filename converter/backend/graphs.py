@@ -56,6 +56,8 @@ def ffn_hidden(b, cfg, layer, x, weights):
 
 
 def _act(b, cfg, g):
+    if cfg.ffn_act == "gelu":       # GeGLU's tanh approximation (ONNX opset 20)
+        return b.node("Gelu", [g], approximate="tanh")
     if cfg.ffn_act == "silu":
         return b.node("Mul", [g, b.node("Sigmoid", [g])])
     if cfg.ffn_act == "fatrelu":   # g where g > threshold, else 0
@@ -64,14 +66,23 @@ def _act(b, cfg, g):
     return b.node("Relu", [g])      # relu, drelu
 
 
+def rms_norm(b, cfg, x, gamma):
+    """RMSNorm over the last axis of x, weight `gamma`."""
+    ms = b.node("ReduceMean", [b.node("Mul", [x, x]), b.const(np.array([-1]))], keepdims=1)
+    inv = b.node("Reciprocal", [b.node("Sqrt", [b.node("Add", [ms, b.const(np.float32(cfg.norm_eps))])])])
+    return b.node("Mul", [b.node("Mul", [x, inv]), b.weight(gamma)])
+
+
+def post_norm(b, cfg, x, gamma):
+    """x normed with `gamma` where the file has it (Gemma's norms after attention and the FFN)."""
+    return rms_norm(b, cfg, x, gamma) if gamma in b.directory else x
+
+
 def head_rms_norm(b, cfg, x, n_heads, gamma):
     """RMSNorm of each head's head_dim values in x (1, S, n_heads * head_dim), weight `gamma`."""
     hd = cfg.head_dim
     heads = b.node("Reshape", [x, b.const(np.array([1, -1, n_heads, hd]))])
-    ms = b.node("ReduceMean", [b.node("Mul", [heads, heads]), b.const(np.array([-1]))], keepdims=1)
-    inv = b.node("Reciprocal", [b.node("Sqrt", [b.node("Add", [ms, b.const(np.float32(cfg.norm_eps))])])])
-    normed = b.node("Mul", [b.node("Mul", [heads, inv]), b.weight(gamma)])
-    return b.node("Reshape", [normed, b.const(np.array([1, -1, n_heads * hd]))])
+    return b.node("Reshape", [rms_norm(b, cfg, heads, gamma), b.const(np.array([1, -1, n_heads * hd]))])
 
 
 def qk_norm(b, cfg, layer, qkv):
@@ -101,6 +112,8 @@ def layer_graph(cfg, layer, weights, directory):
     cos = b.input("cos_cache", F32, ["C", cfg.rotary_dim // 2])
     sin = b.input("sin_cache", F32, ["C", cfg.rotary_dim // 2])
 
+    if layer:       # the previous layer's FFN output, normed where the model does (Gemma)
+        delta = post_norm(b, cfg, delta, S.FFN_POST_NORM.format(layer - 1))
     x, r1 = norm_skip(b, cfg, delta, resid, S.ATTN_NORM.format(layer), S.ATTN_NORM_BIAS.format(layer))
     qkv_base = S.ATTN_QKV.format(layer)
     qkv = add_bias(b, b.linear(x, qkv_base, weights[qkv_base], n_qkv, d), S.ATTN_QKV_BIAS.format(layer))
@@ -109,13 +122,18 @@ def layer_graph(cfg, layer, weights, directory):
     rope = cfg.positions == "rope"
     attrs = dict(num_heads=cfg.n_head, kv_num_heads=hkv, do_rotary=int(rope),
                  rotary_interleaved=int(cfg.rope_interleaved))
-    if cfg.sliding_window:
+    if cfg.windowed(layer):
         attrs["local_window_size"] = cfg.sliding_window
+    if cfg.attn_scale:
+        attrs["scale"] = cfg.attn_scale
+    if cfg.attn_softcap:
+        attrs["softcap"] = cfg.attn_softcap
     attn, pk, pv = b.node("GroupQueryAttention",
                           [qkv, "", "", past_k, past_v, seqlens, total] + ([cos, sin] if rope else []),
                           n_out=3, domain="com.microsoft", **attrs)
     o_base = S.ATTN_OUT.format(layer)
     o = add_bias(b, b.linear(attn, o_base, weights[o_base], d, cfg.n_head * hd), S.ATTN_OUT_BIAS.format(layer))
+    o = post_norm(b, cfg, o, S.ATTN_POST_NORM.format(layer))
     x2, r2 = norm_skip(b, cfg, o, r1, S.FFN_NORM.format(layer), S.FFN_NORM_BIAS.format(layer))
     h = ffn_hidden(b, cfg, layer, x2, weights)
 
@@ -132,9 +150,13 @@ def head_graph(cfg, weights, directory):
     b = GraphBuilder(S.HEAD_GRAPH, directory)
     resid = b.input("resid", F32, [1, "S", cfg.d_model])
     delta = b.input("delta", F32, [1, "S", cfg.d_model])
+    delta = post_norm(b, cfg, delta, S.FFN_POST_NORM.format(cfg.n_layer - 1))
     x, _ = norm_skip(b, cfg, delta, resid, S.OUTPUT_NORM, S.OUTPUT_NORM_BIAS)
     base = S.TOKEN_EMBD if cfg.tied_embeddings else S.OUTPUT
     logits = b.linear(x, base, weights[base], cfg.vocab, cfg.d_model)
+    if cfg.final_softcap:           # c * tanh(logits / c) (Gemma 2)
+        c = b.const(np.float32(cfg.final_softcap))
+        logits = b.node("Mul", [b.node("Tanh", [b.node("Div", [logits, c])]), c])
     b.output(logits, "logits", F32, [1, "S", cfg.vocab])
     return b.build()
 

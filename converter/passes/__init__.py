@@ -144,7 +144,7 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
     ffn_src_bytes = [sum(src.nbytes(names[k].format(i)) for k in FFN_ROLES if k in names)
                      for i in range(cfg.n_layer)]
     freqs = src.floats(names["rope_freqs"]) if "rope_freqs" in names else None
-    embed, head = TL.Embedding(src, names, device), TL.Head(src, names, cfg, device=device)
+    embed, head = TL.Embedding(src, names, device, cfg.embed_scale), TL.Head(src, names, cfg, device=device)
     if forced is None and opts.early_check:
         answered = _early_answer(src, names, cfg, cs, (embed, head, freqs), ffn_src_bytes[0], opts, quant)
         if answered is not None:

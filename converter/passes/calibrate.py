@@ -158,7 +158,7 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
                 h_train = torch.empty(train_h.shape[0] * T, cfg.n_ff, dtype=torch.float16, device=dev)   # |h|
                 for b in range(0, len(train_h), bs):
                     h1, x, hact = forward_ffn(train_h[b:b + bs], w, cfg, rot)
-                    train_h[b:b + bs] = h1 + hact @ w.down.T
+                    train_h[b:b + bs] = h1 + TL.ffn_output(hact @ w.down.T, w, cfg)
                     x_train[b * T:(b + len(x)) * T] = x.reshape(-1, cfg.d_model)
                     h_train[b * T:(b + len(x)) * T] = hact.reshape(-1, cfg.n_ff).abs()
                     del h1, x, hact
@@ -270,7 +270,7 @@ def _advance_heldout(points, streams, dense, w, cfg, rot, lc, bs):
                             else forward_ffn(h[b:b + bs], w, cfg, rot))
                 x = x.reshape(-1, cfg.d_model)
                 flat, gu, dn = apply_point(cfg, p, hh.reshape(-1, cfg.n_ff), x, lc)
-                h[b:b + bs] = a + (flat @ w.down.T).view(a.shape)
+                h[b:b + bs] = a + TL.ffn_output((flat @ w.down.T).view(a.shape), w, cfg)
                 reads += _read_shares(gu, dn, cfg.n_ff, flat.shape[0])
             lc.read[p.name] = tuple(reads / max(1, -(-len(h) // bs)))
 

@@ -138,7 +138,7 @@ def _layers(src, names, cfg, streams, freq_divisors, step, on_layer=None):
             for name, h in streams.items():
                 for b in range(0, len(h), bs):
                     h1, x, hact = calibrate.forward_ffn(h[b:b + bs], w, cfg, rot)
-                    h[b:b + bs] = h1 + step(i, name, x, hact) @ w.down.T
+                    h[b:b + bs] = h1 + TL.ffn_output(step(i, name, x, hact) @ w.down.T, w, cfg)
         del w
         src.release()
         if on_layer:

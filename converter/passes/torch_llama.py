@@ -30,11 +30,13 @@ class LayerWeights:
     up: torch.Tensor          # (n_ff, d)
     down: torch.Tensor        # (d, n_ff)
     bias: dict                # role -> (n,) for the optional vectors the model has (BIAS_ROLES)
+    index: int = 0            # the layer's number (windowed or global, its RoPE table)
 
 
 BIAS_ROLES = ("attn_norm_bias", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias",
               "ffn_norm_bias", "ffn_gate_bias", "ffn_up_bias", "ffn_down_bias",
-              "attn_q_norm", "attn_k_norm")     # the last two: Qwen3's per-head q/k RMSNorm weights
+              "attn_q_norm", "attn_k_norm",     # Qwen3's and Gemma 3's per-head q/k RMSNorm weights
+              "attn_post_norm", "ffn_post_norm")   # Gemma's norms of the attention's and FFN's outputs
 
 
 def _tensor(a):
@@ -49,7 +51,7 @@ def load_layer(src, names, i, device="cpu"):
         attn_norm=t("attn_norm").reshape(-1), wq=t("attn_q"), wk=t("attn_k"), wv=t("attn_v"),
         wo=t("attn_output"), ffn_norm=t("ffn_norm").reshape(-1),
         gate=t("ffn_gate") if "ffn_gate" in names else None, up=t("ffn_up"), down=t("ffn_down"),
-        bias={k: t(k).reshape(-1) for k in BIAS_ROLES if k in names})
+        bias={k: t(k).reshape(-1) for k in BIAS_ROLES if k in names}, index=i)
 
 
 def rms_norm(x, w, eps):
@@ -70,17 +72,22 @@ def _linear(x, w, b):
 class Rotary:
     """cos/sin (T, rotary_dim/2) for positions 0..T-1, applied in the file's pair layout."""
 
-    def __init__(self, cfg, n_pos, freq_divisors=None, device="cpu"):
+    def __init__(self, cfg, n_pos, freq_divisors=None, device="cpu", local=False):
         half = cfg.rotary_dim // 2
-        inv = cfg.rope_base ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rotary_dim)
-        if freq_divisors is not None:
+        base, scale = (cfg.rope_base_local, 1.0) if local else (cfg.rope_base, cfg.rope_linear_scale)
+        inv = base ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rotary_dim)
+        if freq_divisors is not None and not local:
             inv = inv / torch.as_tensor(np.asarray(freq_divisors), dtype=torch.float64)
-        ang = torch.outer(torch.arange(n_pos, dtype=torch.float64) / cfg.rope_linear_scale, inv)
+        ang = torch.outer(torch.arange(n_pos, dtype=torch.float64) / scale, inv)
         self.cos, self.sin = ang.cos().float().to(device), ang.sin().float().to(device)
         self.rot, self.interleaved = cfg.rotary_dim, cfg.rope_interleaved
+        # the windowed layers' own table (Gemma 3), where the model has one
+        self.local = Rotary(cfg, n_pos, None, device, True) if cfg.rope_base_local and not local else None
 
-    def __call__(self, x):
-        """x (B, H, T, hd) -> rotated."""
+    def __call__(self, x, local=False):
+        """x (B, H, T, hd) -> rotated (local: with the windowed layers' table)."""
+        if local and self.local is not None:
+            return self.local(x)
         T = x.shape[2]
         cos, sin = self.cos[:T], self.sin[:T]
         r, rest = x[..., :self.rot], x[..., self.rot:]
@@ -104,16 +111,32 @@ def attention(h, w, cfg, rotary):
     if "attn_q_norm" in w.bias:
         q, k = rms_norm(q, bias("attn_q_norm"), cfg.norm_eps), rms_norm(k, bias("attn_k_norm"), cfg.norm_eps)
     if cfg.positions == "rope":
-        q, k = rotary(q), rotary(k)
+        local = cfg.rope_local(w.index)
+        q, k = rotary(q, local), rotary(k, local)
     group = cfg.n_head // cfg.n_head_kv
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if cfg.sliding_window and T > cfg.sliding_window:
-        pos = torch.arange(T, device=h.device)
-        mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < cfg.sliding_window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    pos = torch.arange(T, device=h.device)
+    mask = pos[None, :] <= pos[:, None]
+    if cfg.windowed(w.index) and T > cfg.sliding_window:
+        mask = mask & (pos[:, None] - pos[None, :] < cfg.sliding_window)
+    scale = cfg.attn_scale or None
+    if cfg.attn_softcap:            # scores c * tanh(s / c), then the mask (Gemma 2)
+        s = (q @ k.transpose(-1, -2)) * (scale or hd ** -0.5)
+        s = torch.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
+        o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    elif cfg.windowed(w.index) and T > cfg.sliding_window:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return h + _linear(o.transpose(1, 2).reshape(B, T, cfg.n_head * hd), w.wo, bias("attn_output_bias"))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    o = _linear(o.transpose(1, 2).reshape(B, T, cfg.n_head * hd), w.wo, bias("attn_output_bias"))
+    if "attn_post_norm" in w.bias:
+        o = rms_norm(o, bias("attn_post_norm"), cfg.norm_eps)
+    return h + o
+
+
+def ffn_output(y, w, cfg):
+    """The FFN's output y (..., d), normed where the model does (Gemma), before the residual add."""
+    return rms_norm(y, w.bias["ffn_post_norm"], cfg.norm_eps) if "ffn_post_norm" in w.bias else y
 
 
 def ffn_input(h, w, cfg):
@@ -138,6 +161,8 @@ def ffn_hidden(x, w, cfg):
 
 
 def activation(g, cfg):
+    if cfg.ffn_act == "gelu":
+        return F.gelu(g, approximate="tanh")
     if cfg.ffn_act == "silu":
         return F.silu(g)
     if cfg.ffn_act == "fatrelu":
@@ -169,7 +194,11 @@ class Head:
         self._w = None
 
     def logits(self, h):
-        return norm(h, self.norm, self.bias, self.cfg) @ self.w.T
+        return self._cap(norm(h, self.norm, self.bias, self.cfg) @ self.w.T)
+
+    def _cap(self, logits):
+        c = self.cfg.final_softcap
+        return torch.tanh(logits / c) * c if c else logits
 
     def nll(self, h, targets):
         """h (N, d), targets (N,) -> negative log-likelihoods (N,), float64; `rows` tokens at a time
@@ -177,7 +206,7 @@ class Head:
         x = norm(h, self.norm, self.bias, self.cfg)
         out = []
         for s in range(0, len(x), self.rows):
-            lp = (x[s:s + self.rows] @ self.w.T).log_softmax(-1)
+            lp = self._cap(x[s:s + self.rows] @ self.w.T).log_softmax(-1)
             out.append(-lp.gather(1, targets[s:s + self.rows, None].to(lp.device))[:, 0].double())
         return torch.cat(out)
 
@@ -185,8 +214,8 @@ class Head:
 class Embedding:
     """Token rows (and learned positions) on `device`, from the file's own blocks."""
 
-    def __init__(self, src, names, device="cpu"):
-        self.device = device
+    def __init__(self, src, names, device="cpu", scale=1.0):
+        self.device, self.scale = device, scale
         t = src.tensor(names["token_embd"])
         exact = blocks.from_gguf(t.ttype, t.raw, t.rows, t.k)
         self.fmt, self.parts = exact if exact is not None else ("f32", {"w": src.floats(names["token_embd"])})
@@ -196,4 +225,6 @@ class Embedding:
         """ids (B, T) int -> (B, T, d) float32, plus the learned position rows 0..T-1 if any."""
         rows = blocks.dequantize(self.fmt, self.parts, rows=np.asarray(ids).reshape(-1))
         out = torch.from_numpy(rows).view(*np.shape(ids), -1).to(self.device)
+        if self.scale != 1.0:        # Gemma: sqrt(d_model)
+            out = out * self.scale
         return out if self.pos is None else out + self.pos[:out.shape[-2]]

@@ -16,6 +16,8 @@ ARCHS = {
     "qwen2": "llama",    # q/k/v biases; rotate-half RoPE (llama.cpp's NEOX: Q/K rows not permuted)
     "qwen3": "llama",    # per-head q/k RMSNorm; rotate-half RoPE
     "phi3": "phi3",      # fused qkv and gate/up projections; rotate-half RoPE
+    "gemma2": "gemma",   # GeGLU, post-norms, soft-capping, alternating windowed layers
+    "gemma3": "gemma",   # GeGLU, post-norms, q/k norms, 5:1 windowed layers with their own RoPE base
 }
 
 # Hugging Face config.json model_type -> module name in this package
@@ -25,6 +27,8 @@ HF_ARCHS = {
     "qwen2": "llama",      # q/k/v biases
     "qwen3": "llama",      # per-head q/k RMSNorm, head_dim apart from hidden_size / heads
     "phi3": "phi3",        # fused qkv_proj and gate_up_proj; partial rotary
+    "gemma2": "gemma",     # GeGLU, post-norms, soft-capping, alternating windowed layers
+    "gemma3_text": "gemma",  # Gemma 3's text model (the multimodal gemma3 folders are refused)
     "bamboo": "llama",     # dReLU: relu on gate and on up
     "opt": "opt",          # LayerNorm, biases, learned positions, relu FFN without a gate
 }

@@ -74,7 +74,7 @@ ACTIVATION_KEY = "pinfer.feed_forward_activation"
 
 # GGUF architectures whose converters keep Hugging Face's Q/K row order: RoPE rotates halves (what
 # llama.cpp calls NEOX) rather than the adjacent pairs llama files are permuted into
-ROTATE_HALF = frozenset({"qwen2", "qwen3"})
+ROTATE_HALF = frozenset({"qwen2", "qwen3", "phi3", "gemma2", "gemma3"})
 
 # GGUF metadata key (after "{arch}.") -> config field, for the required integers and floats
 KEYS = {
