@@ -59,14 +59,14 @@ def test_perplexity_runs(tiny, tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["inspect", "{gguf}"], ["GGUF"]),
-    (["convert", "{gemma}"], ["gemma3", "llama"]),
+    (["convert", "{other}"], ["mamba", "llama"]),
     (["generate", "{pinf}"], ["-p"]),
 ])
 def test_bad_input_is_one_sentence(tiny, tmp_path, args, words):
-    gemma = make_tiny_llama_gguf(tmp_path / "gemma.gguf", arch_name="gemma3")
+    other = make_tiny_llama_gguf(tmp_path / "mamba.gguf", arch_name="mamba")
     gguf = tmp_path / "x.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 200)
-    args = [a.format(gguf=gguf, gemma=gemma, pinf=tiny) for a in args]
+    args = [a.format(gguf=gguf, other=other, pinf=tiny) for a in args]
     r = pinfer(*args)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr

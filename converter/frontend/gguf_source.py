@@ -49,6 +49,7 @@ class GGUFSource:
         # d_model), which is pinfer's down_t: it is offered under the ffn_down role's name, floats()
         # transposes it back, and the back end carries its blocks over as down_t (down_t_block)
         self.powerinfer = h.powerinfer
+        self.down_neuron_major = h.powerinfer   # the ffn_down role holds down_t, a row per neuron
         self._rows = {}           # name -> (stored name, first row, end row): split_rows
         self._down_t = {}
         if h.powerinfer:
@@ -67,11 +68,6 @@ class GGUFSource:
         if not isinstance(arch, str):
             raise SourceError(f"{self.path} has no general.architecture key; it is not a model GGUF")
         return arch
-
-    @property
-    def down_neuron_major(self):
-        """Whether the ffn_down role holds down_t, a row per neuron (PowerInfer files)."""
-        return self.powerinfer
 
     def tensor_names(self):
         return set(self._tensors) | set(self._down_t) | set(self._rows)
@@ -97,37 +93,29 @@ class GGUFSource:
 
     def tensor(self, name):
         """The stored tensor (a PowerInfer file's ffn_down role: its ffn_down_t, a row per neuron)."""
-        if name in self._rows:
-            stored, r0, r1 = self._rows[name]
-            t = self._stored(stored)
-            return SourceTensor(name, t.ttype, r1 - r0, t.k, t.raw[r0:r1])
-        return self._stored(self._down_t.get(name, name))
-
-    def _stored(self, name):
-        t = self._tensors.get(name)
-        if t is None:
-            raise SourceError(f"{self.path} lacks the tensor {name}")
+        stored, t, r0, r1 = self._resolve(name)
         k = t.dims[0]          # GGUF order: fastest axis first
         rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
         raw = self._data()[self._start + t.offset:self._start + t.offset + t.nbytes]
         raw = raw.view(_TYPED[t.ttype]).reshape(rows, k) if t.ttype in _TYPED else raw.reshape(rows, -1)
-        return SourceTensor(name, t.ttype, rows, k, raw)
+        if r1 is None:
+            return SourceTensor(stored, t.ttype, rows, k, raw)
+        return SourceTensor(name, t.ttype, r1 - r0, k, raw[r0:r1])
+
+    def _resolve(self, name):
+        """(stored name, its header entry, first row, end row) of `name`; rows None: all of it."""
+        stored, r0, r1 = self._rows.get(name, (self._down_t.get(name, name), 0, None))
+        t = self._tensors.get(stored)
+        if t is None:
+            raise SourceError(f"{self.path} lacks the tensor {stored}")
+        return stored, t, r0, r1
 
     def nbytes(self, name):
-        if name in self._rows:
-            stored, r0, r1 = self._rows[name]
-            t = self._entry(stored)
-            return t.nbytes * (r1 - r0) // (int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1)
-        return self._entry(name).nbytes
+        _, t, r0, r1 = self._resolve(name)
+        return t.nbytes if r1 is None else t.nbytes * (r1 - r0) // int(np.prod(t.dims[1:]))
 
     def ttype(self, name):
-        return self._entry(self._rows[name][0] if name in self._rows else name).ttype
-
-    def _entry(self, name):
-        t = self._tensors.get(self._down_t.get(name, name))
-        if t is None:
-            raise SourceError(f"{self.path} lacks the tensor {name}")
-        return t
+        return self._resolve(name)[1].ttype
 
     def block(self, name):
         """(format, parts) carried over exactly where a .pinf format matches the GGUF type."""

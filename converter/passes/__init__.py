@@ -154,13 +154,7 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
                            seed=opts.seed, on_layer=lambda i, lc: bar.update(1), extra_point=forced,
                            adaptive=opts.calib_tokens is None)
     bar.close()
-    if result.length_search:
-        steps = ", ".join(f"{n} tokens {share:.1%}" for n, share in result.length_search)
-        _log(f"calibration length: {result.train_tokens} training tokens (the share of neurons the first layer's "
-             f"predictor needs for 0.99 held-out mass recall: {steps}; doubling stops below "
-             f"{calibrate.ADAPTIVE_GAIN:.0%} better; --calib-tokens N fixes it)")
-    _log(f"calibration cost: {result.cost_over_forward():.1f}x the layers' own forward pass over the calibration "
-         f"tokens ({', '.join(f'{k} {v:.1f} s' for k, v in result.seconds.items() if v)})")
+    _log_calibration(result)
     points = calibrate.points_for(cfg, forced)
 
     def fmts(i, p):
@@ -173,15 +167,31 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
     choice = PL.choose(result, points, bytes_of, opts.max_ppl_increase, forced)
     layers = [_layer_layout(lc, p, opts.order, fmts(i, p), {q.name: bytes_of(i, q) for q in points if q.name in lc.read})
               for i, (lc, p) in enumerate(zip(result.layers, choice.modes))]
-    base = result.ppl("dense")
-    sparsity = {
+    _log(f"sparsity: {choice.reason} ({time.perf_counter() - t0:.0f} s)")
+    return LayoutPlan(layers, _sparsity_record(result, choice, forced, opts, cs, device), result, cs)
+
+
+def _log_calibration(result):
+    from .calibrate import ADAPTIVE_GAIN
+    if result.length_search:
+        steps = ", ".join(f"{n} tokens {share:.1%}" for n, share in result.length_search)
+        _log(f"calibration length: {result.train_tokens} training tokens (the share of neurons the first layer's "
+             f"predictor needs for 0.99 held-out mass recall: {steps}; doubling stops below "
+             f"{ADAPTIVE_GAIN:.0%} better; --calib-tokens N fixes it)")
+    _log(f"calibration cost: {result.cost_over_forward():.1f}x the layers' own forward pass over the calibration "
+         f"tokens ({', '.join(f'{k} {v:.1f} s' for k, v in result.seconds.items() if v)})")
+
+
+def _sparsity_record(result, choice, forced, opts, cs, device):
+    """The header's "sparsity" entry of a calibrated conversion."""
+    from .calibrate import PREDICTOR_SPARSITY
+    return {
         "mode": "auto" if forced is None else forced.name,
         "chosen": sorted({m.name for m in choice.modes}),
         "reason": choice.reason,
         "max_ppl_increase": opts.max_ppl_increase,
-        "predictor_sparsity": calibrate.PREDICTOR_SPARSITY,
-        "heldout": {"tokens": result.tokens_scored, "dense_ppl": base,
-                    "points": choice.table},
+        "predictor_sparsity": PREDICTOR_SPARSITY,
+        "heldout": {"tokens": result.tokens_scored, "dense_ppl": result.ppl("dense"), "points": choice.table},
         "calibration": cs.description,
         "train_tokens": result.train_tokens,
         "length_search": [list(x) for x in result.length_search],
@@ -189,8 +199,6 @@ def run(src, names, cfg, tokenizer_spec, opts, quant):
         "device": _device_name(device),
         "seconds": {k: round(v, 1) for k, v in result.seconds.items()},
     }
-    _log(f"sparsity: {choice.reason} ({time.perf_counter() - t0:.0f} s)")
-    return LayoutPlan(layers, sparsity, result, cs)
 
 
 def _layer_layout(lc, p, order, f, ffn_bytes):

@@ -154,38 +154,26 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
             w = TL.load_layer(src, names, i, dev)
         with torch.no_grad():
             with clock("forward"):
-                x_train = torch.empty(train_h.shape[0] * T, cfg.d_model, device=dev)
-                h_train = torch.empty(train_h.shape[0] * T, cfg.n_ff, dtype=torch.float16, device=dev)   # |h|
-                for b in range(0, len(train_h), bs):
-                    h1, x, hact = forward_ffn(train_h[b:b + bs], w, cfg, rot)
-                    train_h[b:b + bs] = h1 + TL.ffn_output(hact @ w.down.T, w, cfg)
-                    x_train[b * T:(b + len(x)) * T] = x.reshape(-1, cfg.d_model)
-                    h_train[b * T:(b + len(x)) * T] = hact.reshape(-1, cfg.n_ff).abs()
-                    del h1, x, hact
+                x_train, h_train = _train_forward(train_h, w, cfg, rot, bs)
                 # the dense held-out stream gives the predictor its held-out tokens: (the residual the
                 # down projection adds to, the FFN's input, its hidden values), all held-out sequences
                 dense = _dense_heldout(streams["dense"], w, cfg, rot, bs)
                 x_held, hact_held = dense[1].view(-1, cfg.d_model), dense[2].view(-1, cfg.n_ff)
             with clock("statistics"):
-                thresholds = _quantiles(h_train, list(SPARSITY_GRID), rng)
-                mask_train = (h_train > 0) if cfg.exact_sparse else h_train > thresholds[PREDICTOR_SPARSITY]
-                freq = (torch.count_nonzero(mask_train, dim=0).float() / len(mask_train)).cpu().numpy()
+                thresholds, mask_train, freq = _statistics(h_train, cfg, rng)
                 del h_train
         # the layer's float32 weights (0.81 GB at LLaMA-7B's shapes) are not held through the
         # predictor's training: dequantized again for the held-out streams
         del w
         release_memory(src)
-        lc = LayerCalibration(thresholds, freq, None, [], {})
+        lc, ranks = LayerCalibration(thresholds, freq, None, [], {}), predictor_ranks(cfg, ffn_bytes[i], predictor_budget)
         heldout = _heldout_split(cfg, x_held, hact_held, thresholds)
         if i == 0 and adaptive and len(train_h) * T > ADAPTIVE_START:
             with clock("length_search"):
-                r = predictor_ranks(cfg, ffn_bytes[i], predictor_budget)[-1]
-                keep, search = _converged_sequences(x_train, mask_train, heldout, r, T, seed)
-                rows = (keep[:, None] * T + torch.arange(T)).reshape(-1).to(dev)
-                train_h, x_train, mask_train = train_h[keep.to(dev)], x_train[rows], mask_train[rows]
+                train_h, x_train, mask_train, search = _converged_length(train_h, x_train, mask_train, heldout,
+                                                                         ranks[-1], seed)
         with clock("predictor"):
-            _fit_predictor(lc, x_train, mask_train, heldout, ffn_bytes[i], seed + i,
-                           predictor_ranks(cfg, ffn_bytes[i], predictor_budget))
+            _fit_predictor(lc, x_train, mask_train, heldout, ffn_bytes[i], seed + i, ranks)
             del x_train, mask_train, heldout
         with clock("load"):
             w = TL.load_layer(src, names, i, dev)
@@ -198,12 +186,39 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
             on_layer(i, lc)
 
     with clock("head"):
-        targets = torch.from_numpy(calib.heldout[:, 1:].reshape(-1))
-        with torch.no_grad():
-            nll = {p.name: float(head.nll(streams[p.name][:, :-1].reshape(-1, cfg.d_model), targets).mean())
-                   for p in points}
-            ref = head.logits(streams["dense"][0, :REFERENCE_TOKENS]).cpu().numpy()
-    return CalibrationResult(layers, nll, int(targets.numel()), seconds, ref, int(train_h.shape[0] * T), search)
+        nll, ref = _head_nll(head, cfg, streams, calib.heldout)
+    return CalibrationResult(layers, nll, calib.heldout[:, 1:].size, seconds, ref, int(train_h.shape[0] * T), search)
+
+
+def _head_nll(head, cfg, streams, heldout):
+    """({point name: mean held-out NLL of its stream}, the dense stream's first REFERENCE_TOKENS logits)."""
+    targets = torch.from_numpy(heldout[:, 1:].reshape(-1))
+    with torch.no_grad():
+        nll = {name: float(head.nll(h[:, :-1].reshape(-1, cfg.d_model), targets).mean()) for name, h in streams.items()}
+        return nll, head.logits(streams["dense"][0, :REFERENCE_TOKENS]).cpu().numpy()
+
+
+def _train_forward(train_h, w, cfg, rot, bs):
+    """The training stream through the layer, in place; returns the FFN's inputs (N, d) and |h|
+    (N, n_ff, float16) of every training token."""
+    n, T, _ = train_h.shape
+    x_train = torch.empty(n * T, cfg.d_model, device=train_h.device)
+    h_train = torch.empty(n * T, cfg.n_ff, dtype=torch.float16, device=train_h.device)
+    for b in range(0, n, bs):
+        h1, x, hact = forward_ffn(train_h[b:b + bs], w, cfg, rot)
+        train_h[b:b + bs] = h1 + TL.ffn_output(hact @ w.down.T, w, cfg)
+        x_train[b * T:(b + len(x)) * T] = x.reshape(-1, cfg.d_model)
+        h_train[b * T:(b + len(x)) * T] = hact.reshape(-1, cfg.n_ff).abs()
+        del h1, x, hact
+    return x_train, h_train
+
+
+def _statistics(h_train, cfg, rng):
+    """(the |h| threshold of each SPARSITY_GRID quantile, the predictor's target mask, each neuron's
+    active share) of the training tokens' |h|."""
+    thresholds = _quantiles(h_train, list(SPARSITY_GRID), rng)
+    mask = (h_train > 0) if cfg.exact_sparse else h_train > thresholds[PREDICTOR_SPARSITY]
+    return thresholds, mask, (torch.count_nonzero(mask, dim=0).float() / len(mask)).cpu().numpy()
 
 
 class _Clock:
@@ -230,10 +245,18 @@ class _Clock:
             torch.cuda.synchronize()
 
 
-def _converged_sequences(x_train, mask_train, heldout, rank, T, seed):
+def _converged_length(train_h, x_train, mask_train, heldout, rank, seed):
     """The adaptive calibration length (ADAPTIVE_GAIN's rule) at the first layer: predictors of `rank`
     on a fixed random order of the training sequences, ADAPTIVE_START tokens of them, then twice as
-    many...; returns (the sequence indices kept, sorted; [(tokens, share at 0.99 recall)])."""
+    many...; returns the training stream, inputs and masks cut to the sequences kept (in their
+    order), and [(tokens, share at 0.99 recall)] of the search."""
+    keep, history = _converged_sequences(x_train, mask_train, heldout, rank, train_h.shape[1], seed)
+    rows = (keep[:, None] * train_h.shape[1] + torch.arange(train_h.shape[1])).reshape(-1).to(x_train.device)
+    return train_h[keep.to(train_h.device)], x_train[rows], mask_train[rows], history
+
+
+def _converged_sequences(x_train, mask_train, heldout, rank, T, seed):
+    """(the sequence indices kept, sorted; [(tokens, share at 0.99 recall)]) of _converged_length."""
     n_seq = len(x_train) // T
     order = torch.randperm(n_seq, generator=torch.Generator().manual_seed(seed))
     n, prev, history = max(1, ADAPTIVE_START // T), None, []

@@ -1,0 +1,88 @@
+"""Where a decode token's time goes: every step of pinfer's per-token loop timed on its own.
+
+    python benchmarks/decode_profile.py MODEL.pinf [--threads 1 2] [--tokens 64] [--prompt 16]
+
+After a prompt, --tokens decode calls; each step of Model.forward (the per-layer ONNX Runtime
+sessions, pinfer's FFN kernel or the NumPy rule and down projection, the head session, the
+embedding and the writes before the layers) is wrapped with a timer, and what the wrappers do not
+see is Python between them. Per thread count: ms per token by step kind, its share, the process's
+CPU time over wall time (cores busy on average; the threads wait in spin loops too, so busy is not
+useful), and the token rate with the profiler's own overhead (a few microseconds per step) in it.
+The rate here is not a benchmark: benchmarks/smollm2_vs_llamacpp.py is.
+"""
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def kind_of(step):
+    """A readable name of one step callable: the ONNX session or the function it runs."""
+    owner = getattr(step, "__self__", None)
+    if owner is not None and type(owner).__name__ == "Bound":
+        return "onnx layer session"
+    q = getattr(step, "__qualname__", type(step).__name__)
+    return {"Steps._kernel.<locals>.step": "ffn kernel (fused)",
+            "Steps._batch.<locals>.step": "ffn kernel (batch)"}.get(q, q.replace(".<locals>", ""))
+
+
+def profile(path, threads, tokens, prompt):
+    from pinfer.runtime.model import Model, RuntimeOptions
+    m = Model(path, RuntimeOptions(threads=threads, n_ctx=prompt + tokens + 8))
+    ids = list(np.random.default_rng(0).integers(0, m.cfg.vocab, prompt))
+    m.forward(ids)
+    m.forward([ids[-1]])                 # the decode steps exist now
+    spent = defaultdict(float)
+
+    def timed(kind, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            spent[kind] += time.perf_counter() - t0
+            return out
+        return run
+    m.bind_activations(1)
+    m.steps.run = [timed(kind_of(s), s) for s in m.steps.run]
+    m.head.run = timed("onnx head session", m.head.run)
+    m.start = timed("embedding and inputs", m.start)
+    spent.clear()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    tok = ids[-1]
+    for _ in range(tokens):
+        tok = int(m.forward([tok]).argmax())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return m, dict(spent), wall, cpu
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=16)
+    a = ap.parse_args(argv)
+    from pinfer import kernels
+    print(f"{a.model.name}: {a.tokens} decode tokens after a {a.prompt}-token prompt; {os.cpu_count()} CPU cores; "
+          f"kernel ISA {kernels.sparse_isa()}")
+    for t in a.threads:
+        m, spent, wall, cpu = profile(a.model, t, a.tokens, a.prompt)
+        per = {k: v / a.tokens * 1e3 for k, v in spent.items()}
+        per["python between steps"] = wall / a.tokens * 1e3 - sum(per.values())
+        total = wall / a.tokens * 1e3
+        print(f"\n{t} thread{'s' * (t > 1)}: {1e3 / total:.1f} tok/s with the profiler, {total:.2f} ms/token, "
+              f"CPU time / wall {cpu / wall:.2f} cores; {m.cfg.n_layer} layers, "
+              f"{sum(f is not None for f in m.ffns)} through the fused kernel")
+        print("| step | ms/token | share |\n| --- | ---: | ---: |")
+        for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
+            print(f"| {k} | {v:.3f} | {v / total:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
