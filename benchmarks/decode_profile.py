@@ -27,7 +27,9 @@ def kind_of(step):
     """A readable name of one step callable: the ONNX session or the function it runs."""
     owner = getattr(step, "__self__", None)
     if owner is not None and type(owner).__name__ == "Bound":
-        return "onnx layer session"
+        inputs = {i.name for i in owner.sess.get_inputs()}
+        return ("onnx layer session (attention, gate/up)" if "resid" in inputs
+                else "onnx down projection (MatMulNBits)")
     q = getattr(step, "__qualname__", type(step).__name__)
     return {"Steps._kernel.<locals>.step": "ffn kernel (fused)",
             "Steps._batch.<locals>.step": "ffn kernel (batch)"}.get(q, q.replace(".<locals>", ""))

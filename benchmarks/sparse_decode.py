@@ -78,7 +78,7 @@ def main(argv=None):
         variants += [(mode, "onnx" if mode == "dense" else "numpy", override, "off")]
         if mode != "dense":
             variants += [(mode, "kernel", override, "on"), (mode, "auto", override, "auto")]
-    n_ctx = 16 + max(a.tokens, a.ppl_tokens)
+    n_ctx = 128 + max(a.tokens, a.ppl_tokens)     # the prompt: 6 tokens for SmolLM2, ~24 for byte-level vocabularies
     rows = []
     for threads in map(int, a.threads.split(",")):
         models = [Model(a.model, RuntimeOptions(n_ctx=n_ctx, threads=threads, sparsity=o, kernels=k, device="cpu"))
