@@ -102,13 +102,20 @@ class Plan:
         return "\n".join(lines)
 
 
+def activation_refusal(cfg):
+    """Why pinfer's fused FFN kernels cannot take this model's FFN at all, or None."""
+    if not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu"):
+        return f"the kernels take gated silu/relu FFNs, not {'gated ' * cfg.ffn_gated}{cfg.ffn_act}"
+    return None
+
+
 def kernel_refusal(reader, cfg, i):
     """Why pinfer's fused FFN kernels (the CPU's and the GPU's) cannot take layer i, from the file
     alone, or None; each kernel may still refuse a format it lacks (SparseFFN, HotSpec.supported)."""
     if S.FFN_GATE_UP_COLD.format(i) in reader.header["weights"]:
         return "its bundles are split in hot and cold formats (--quant mixed)"
-    if not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu"):
-        return f"the kernels take gated silu/relu FFNs, not {cfg.ffn_act}"
+    if activation_refusal(cfg):
+        return activation_refusal(cfg)
     if S.FFN_GATE_UP_BIAS.format(i) in reader:
         return "its FFN has biases"
     return None

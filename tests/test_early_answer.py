@@ -24,7 +24,7 @@ EARLY = {**QUICK_PASSES, "early_check": True}
 
 def _cfg(d=64, n_ff=128):
     """The fields of ModelConfig that early.py reads, of a gated SiLU model."""
-    return SimpleNamespace(d_model=d, n_ff=n_ff, ffn_act="silu", exact_sparse=False)
+    return SimpleNamespace(d_model=d, n_ff=n_ff, ffn_act="silu", exact_sparse=False, ffn_gated=True)
 
 
 def test_oracle_thresholds_keep_the_fewest_entries_reaching_each_target():

@@ -28,6 +28,7 @@ from hf_tokenizers import write_tokenizer  # noqa: E402
 
 from pinfer.converter.convert import ConvertError, ConvertOptions, convert  # noqa: E402
 from pinfer.converter.passes import DENSE, PassOptions  # noqa: E402
+from pinfer.formats import PinfReader  # noqa: E402
 from pinfer.runtime.model import Model, RuntimeOptions  # noqa: E402
 from pinfer.runtime.tokenizer import Tokenizer  # noqa: E402
 
@@ -365,6 +366,17 @@ def test_gemma_gguf_converts_and_matches_transformers(tmp_path, arch):
     print(f"{arch} GGUF: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e})")
     assert rel <= TOL and (got.argmax(1) == ref.argmax(1)).mean() >= TOP1
     assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
+
+
+def test_gemma_is_answered_dense_early_since_the_kernel_takes_no_gelu(tmp_path):
+    """--sparsity auto on a GeGLU model: pinfer's fused kernel takes SiLU and ReLU only, so every
+    layer would run dense at load whatever the rule; the early check says so before calibrating."""
+    make_hf_model(tmp_path / "g", "gemma2")
+    out = _convert(tmp_path / "g", tmp_path / "g.pinf",
+                   PassOptions(calib_tokens=2048, heldout_tokens=1024, seq_len=64, early_check=True))
+    sp = PinfReader(out).header["sparsity"]
+    assert sp["chosen"] == ["dense"] and "activation" in sp["reason"], sp["reason"]
+    assert all(p["kernel_over_dense"] is None for p in sp["early"]["points"])
 
 
 def test_phi3_longrope_is_refused_before_reading_tensors(tmp_path):

@@ -67,7 +67,7 @@ class EarlyAnswer:
     def reason(self):
         def one(p):
             if p["kernel_over_dense"] is None:
-                return f"{p['point']}: formats the kernel does not take"
+                return f"{p['point']}: the fused kernel does not take this model's formats or activation"
             said = f"{p['point']}: {p['share']:.0%} of rows, kernel {p['kernel_over_dense']:.2f}x"
             return said + (f", perplexity {p['ppl_increase']:+.1%}" if p["ppl_increase"] is not None else "")
         return (f"no sparse point can be within +{self.max_ppl_increase:.1%} perplexity and decode faster than dense "
@@ -271,6 +271,9 @@ def time_points(cfg, points, rows, formats_of, rank, threads, seed=0):
     """{point name: kernel time / the kernel's dense time} for points (calibrate.Point) at rows[name]
     (the share of neurons whose rows they read), each in the formats formats_of(point) gives;
     infinite where the kernel does not take those formats (the runtime would run the layer dense)."""
+    from pinfer.runtime.placement import activation_refusal
+    if activation_refusal(cfg):         # the runtime runs every layer dense: no point can be faster
+        return {p.name: float("inf") for p in points}
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(cfg.d_model).astype(np.float32)
     y = np.zeros(cfg.d_model, np.float32)
