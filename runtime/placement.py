@@ -104,8 +104,10 @@ class Plan:
 
 def activation_refusal(cfg):
     """Why pinfer's fused FFN kernels cannot take this model's FFN at all, or None."""
-    if not cfg.ffn_gated or cfg.ffn_act not in ("silu", "relu"):
-        return f"the kernels take gated silu/relu FFNs, not {'gated ' * cfg.ffn_gated}{cfg.ffn_act}"
+    from pinfer.kernels import ACTIVATIONS
+    if not cfg.ffn_gated or cfg.ffn_act not in ACTIVATIONS:
+        return (f"the kernels take gated {'/'.join(ACTIVATIONS)} FFNs, not "
+                f"{'gated ' * cfg.ffn_gated}{cfg.ffn_act}")
     return None
 
 

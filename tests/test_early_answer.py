@@ -48,14 +48,19 @@ def test_oracle_thresholds_keep_the_fewest_entries_reaching_each_target():
     assert kept["down:0.4"] / habs.size == pytest.approx(0.6, abs=1e-3)
 
 
-def test_the_kernel_is_timed_at_the_models_shapes():
-    """Real SparseFFN calls, a finite ratio to its dense mode per point (which way the ratios go is
-    the machine's: no time is asserted)."""
-    cfg = _cfg(d=256, n_ff=1024)
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_the_kernel_is_timed_at_the_models_shapes(act):
+    """Real SparseFFN calls with the model's activation (Gemma's GeGLU too), a finite ratio to its
+    dense mode per point (which way the ratios go is the machine's: no time is asserted); a model
+    the kernel cannot take (no gate) gets no ratio: its layers run dense."""
+    cfg = SimpleNamespace(**{**_cfg(d=256, n_ff=1024).__dict__, "ffn_act": act})
     fm = PL.BundleFormats(("q4", True), ("q8", False))
     points = [Point("down", 0.4), Point("predicted", 0.95)]
     ratios = early.time_points(cfg, points, {"down:0.4": 0.6, "predicted:0.95": 0.05}, lambda p: fm, 32, 1)
     assert set(ratios) == {"down:0.4", "predicted:0.95"} and all(0 < r < float("inf") for r in ratios.values())
+    gateless = SimpleNamespace(**{**cfg.__dict__, "ffn_gated": False})
+    assert all(r == float("inf") for r in early.time_points(gateless, points, {"down:0.4": 0.6, "predicted:0.95": 0.05},
+                                                              lambda p: fm, 32, 1).values())
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,14 @@ def reference(gu_fmt, G_, U_, W, x, act, mode, thr, cand):
     """(y, survivors) in float64; cand: candidate neurons or None for all."""
     xe = quantized_x(x) if gu_fmt == "q4" else x.astype(np.float64)
     g, u = G_ @ xe, U_ @ xe
-    a = np.maximum(g, 0) if act == "relu" else g / (1 + np.exp(-g))
+    if act == "gelu":           # GeGLU's 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), as g sigmoid(2 z):
+        # the same function; exp in float32 as the kernel's expf, which overflows (h exactly 0)
+        # for g below about -10, where h is under 1e-37 anyway
+        with np.errstate(over="ignore"):
+            e = np.exp((-2 * np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)).astype(np.float32)).astype(np.float64)
+        a = g / (1 + e)
+    else:
+        a = np.maximum(g, 0) if act == "relu" else g / (1 + np.exp(-g))
     h = a * u
     keep = np.ones(len(h), bool) if cand is None else np.isin(np.arange(len(h)), cand)
     if mode in ("down", "predicted"):
@@ -97,7 +104,7 @@ CASES = [("q4", "q4r"), ("q4", "q4"), ("q4-nomin", "q4r-nomin"), ("q4", "q4-nomi
 @pytest.mark.parametrize("isa", AVAILABLE)
 @pytest.mark.parametrize("gu_fmt, dn_fmt", CASES)
 @pytest.mark.parametrize("mode, act", [("dense", "silu"), ("down", "silu"), ("predicted", "silu"),
-                                       ("relu", "relu"), ("dense", "relu")])
+                                       ("relu", "relu"), ("dense", "relu"), ("dense", "gelu"), ("down", "gelu")])
 @pytest.mark.parametrize("n, d", [(96, 96), (64, 160), (128, 288)])
 def test_sparse_ffn_matches_numpy(isa, gu_fmt, dn_fmt, mode, act, n, d):
     sparse_isa(isa)
@@ -282,7 +289,7 @@ def per_token(ffn, x, mode, thr, pred_thr, cands=None):
 @pytest.mark.parametrize("isa", AVAILABLE)
 @pytest.mark.parametrize("gu_fmt, dn_fmt", CASES)
 @pytest.mark.parametrize("mode, act", [("dense", "silu"), ("down", "silu"), ("predicted", "silu"),
-                                       ("relu", "relu"), ("given", "silu")])
+                                       ("relu", "relu"), ("given", "silu"), ("predicted", "gelu")])
 def test_batch_gives_each_token_its_single_call_bits(isa, gu_fmt, dn_fmt, mode, act):
     """The batch entry (prefill over the union of the tokens' candidates) reproduces every token's
     single call bit for bit: its candidates, survivors and output. n = 288 spans three of the down

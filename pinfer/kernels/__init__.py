@@ -139,6 +139,9 @@ def sparse_isa(want=None):
     return ISAS[_lib.pinfer_sparse_isa(-1 if want is None else ISAS.index(want))]
 
 
+ACTIVATIONS = ("silu", "relu", "gelu")     # the codes of ffn_sparse.c's and ffn_hot.cu's ACT_*
+
+
 class SparseFFN:
     """One layer's FFN for one token at a time: y (d) = down(rule(act(gate x) * up x)) over the
     neurons the mode computes (pinfer/kernels/csrc/ffn_sparse.c). Weights are checked here once."""
@@ -153,10 +156,10 @@ class SparseFFN:
             raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
         if d > MAX_D:
             raise ValueError(f"d_model {d} is over the sparse FFN's {MAX_D} (MAX_D in ffn_sparse.c)")
-        if act not in ("silu", "relu"):
-            raise ValueError(f"the sparse FFN takes the activations silu and relu, not {act}")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"the sparse FFN takes the activations {', '.join(ACTIVATIONS)}, not {act}")
         self.n_ff, self.d, self.threads = n_ff, d, threads
-        self.act = 0 if act == "silu" else 1
+        self.act = ACTIVATIONS.index(act)
         self.gu_code, self.gu = _parts(GATE_UP_FORMATS, *gate_up, n_ff, d, "gate_up", per_row=2)
         self.dn_code, self.dn = _parts(SPARSE_DOWN, *down, n_ff, d, "the sparse FFN's down_t")
         if isinstance(down_rows, str) and down_rows == "transpose":

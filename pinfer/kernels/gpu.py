@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pinfer.formats import schema as S
-from pinfer.kernels import FORMAT_CODES, GATE_UP_FORMATS, SPARSE_DOWN
+from pinfer.kernels import ACTIVATIONS, FORMAT_CODES, GATE_UP_FORMATS, SPARSE_DOWN
 
 SOURCE = Path(__file__).with_name("cuda") / "ffn_hot.cu"
 KERNELS = ("pinfer_pred_hidden", "pinfer_select", "pinfer_quantize_x", "pinfer_gate_up", "pinfer_activate", "pinfer_axpy",
@@ -297,7 +297,7 @@ class HotFFN:
 
     def __init__(self, gpu, spec, k, gate_up, down, predictor=None, act="silu", deterministic=False):
         self.gpu, self.spec, self.k, self.d = gpu, spec, k, spec.d
-        self.act = 0 if act == "silu" else 1
+        self.act = ACTIVATIONS.index(act)
         self.deterministic = deterministic
         layout, total = spec.layout(k)
         self.base = gpu.alloc(total)

@@ -62,7 +62,7 @@
 
 enum { FMT_Q8 = 0, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };    /* as in ffn_down.c */
 enum { MODE_DENSE = 0, MODE_DOWN = 1, MODE_PREDICTED = 2, MODE_RELU = 3, MODE_GIVEN = 4 };
-enum { ACT_SILU = 0, ACT_RELU = 1 };
+enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 /* -- activations --------------------------------------------------------------------------- */
@@ -359,7 +359,13 @@ typedef struct {
     int64_t d;
 } ffn_t;
 
-static float activate(int act, float g) { return act == ACT_RELU ? (g > 0.0f ? g : 0.0f) : g / (1.0f + expf(-g)); }
+/* silu: g sigmoid(g); relu; gelu, tanh-approximated (GeGLU: Gemma): 0.5 g (1 + tanh(z)) with
+   z = sqrt(2/pi) (g + 0.044715 g^3), which is g sigmoid(2 z) */
+static float activate(int act, float g) {
+    if (act == ACT_RELU) return g > 0.0f ? g : 0.0f;
+    const float z = act == ACT_GELU ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+    return g / (1.0f + expf(-z));
+}
 
 /* h = act(g) * u, or 0 where the mode's rule skips the neuron. */
 static float rule(int act, float g, float u, int mode, float thr) {

@@ -38,7 +38,7 @@ typedef unsigned short f16;
 #define AXPY_CHUNK 32
 
 enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };   /* pinfer/kernels/__init__.py */
-enum { ACT_SILU = 0, ACT_RELU = 1 };
+enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
 enum { RULE_ALL = 0, RULE_THRESHOLD = 1, RULE_NONZERO = 2 };
 
 __device__ __forceinline__ float h2f(f16 h) {
@@ -153,7 +153,9 @@ extern "C" __global__ void pinfer_activate(const float *gu, const int *cand, con
     if (i >= *count) return;
     const int j = cand[i];
     const float g = gu[2 * j], u = gu[2 * j + 1];
-    const float a = act == ACT_SILU ? g / (1.0f + expf(-g)) : (g > 0.0f ? g : 0.0f);   /* not __expf: as the CPU */
+    /* not __expf: as the CPU; gelu as g sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)), the CPU's form */
+    const float z = act == ACT_GELU ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+    const float a = act == ACT_RELU ? (g > 0.0f ? g : 0.0f) : g / (1.0f + expf(-z));
     const float h = a * u;
     /* as the CPU kernel: dropped only when |h| < thr, so a NaN survives and shows in y */
     const int keep = rule == RULE_ALL ? 1 : rule == RULE_NONZERO ? h != 0.0f : !(fabsf(h) < thr);
