@@ -163,6 +163,10 @@ def _front_end(opts):
     except (SourceError, arch.UnsupportedArchitecture, ValueError) as e:
         raise ConvertError(f"{src_path.name}: {e}") from None
     T = arch.roles(mod.TENSORS, names, cfg)
+    if cfg.positions == "rope" and (cfg.rotary_dim // 2) % 8:
+        # ONNX Runtime's GroupQueryAttention takes RoPE tables of a multiple of 8 columns
+        raise ConvertError(f"{src_path.name}: RoPE over {cfg.rotary_dim} of each head's {cfg.head_dim} values is not "
+                           "supported (the attention kernel pinfer runs needs a multiple of 16)")
     if opts.quant not in QUANT_CHOICES:
         raise ConvertError(f"--quant {opts.quant!r} is not one of {', '.join(QUANT_CHOICES)}")
     try:

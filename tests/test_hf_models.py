@@ -375,6 +375,19 @@ def test_gemma_gguf_converts_and_matches_transformers(tmp_path, arch):
     assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
 
 
+def test_a_rope_width_the_attention_kernel_lacks_is_refused_in_a_sentence(tmp_path):
+    """RoPE over 8 values of a head (ONNX Runtime's GroupQueryAttention wants multiples of 16):
+    refused before any tensor is written, not after a failed verification."""
+    make_hf_model(tmp_path / "p", "phi3")
+    path = tmp_path / "p" / "config.json"
+    c = json.loads(path.read_text())
+    c["rope_parameters"]["partial_rotary_factor"] = 0.25
+    path.write_text(json.dumps(c))
+    with pytest.raises(ConvertError, match="RoPE over 8 of each head's 32 values is not supported"):
+        _convert(tmp_path / "p", tmp_path / "p.pinf")
+    assert not (tmp_path / "p.pinf").exists()
+
+
 def test_phi3_longrope_is_refused_before_reading_tensors(tmp_path):
     d = tmp_path / "long"
     d.mkdir()
