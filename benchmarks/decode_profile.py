@@ -6,8 +6,8 @@ After a prompt, --tokens decode calls; each step of Model.forward (the per-layer
 sessions, pinfer's FFN kernel or the NumPy rule and down projection, the head session, the
 embedding and the writes before the layers) is wrapped with a timer, and what the wrappers do not
 see is Python between them. Per thread count: ms per token by step kind, its share, the process's
-CPU time over wall time (cores busy on average; the threads wait in spin loops too, so busy is not
-useful), and the token rate with the profiler's own overhead (a few microseconds per step) in it.
+CPU time over wall time (cores busy on average), and the token rate with the profiler's own
+overhead (a few microseconds per step) in it.
 The rate here is not a benchmark: benchmarks/smollm2_vs_llamacpp.py is.
 """
 

@@ -116,8 +116,9 @@ def kernel_refusal(reader, cfg, i):
     alone, or None; each kernel may still refuse a format it lacks (SparseFFN, HotSpec.supported)."""
     if S.FFN_GATE_UP_COLD.format(i) in reader.header["weights"]:
         return "its bundles are split in hot and cold formats (--quant mixed)"
-    if activation_refusal(cfg):
-        return activation_refusal(cfg)
+    why = activation_refusal(cfg)
+    if why:
+        return why
     if S.FFN_GATE_UP_BIAS.format(i) in reader:
         return "its FFN has biases"
     return None

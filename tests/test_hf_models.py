@@ -153,6 +153,23 @@ def _greedy_pinfer(m, ids, n):
     return out
 
 
+def _gguf_from(c, path, arch, weights, **kw):
+    """A GGUF of `weights` (GGUF names) in the shape of the transformers config c."""
+    return make_tiny_llama_gguf(path, arch_name=arch, weights=weights, n_layer=c.num_hidden_layers,
+                                d_model=c.hidden_size, n_ff=c.intermediate_size, n_head=c.num_attention_heads,
+                                n_head_kv=c.num_key_value_heads, vocab=c.vocab_size, eps=c.rms_norm_eps,
+                                ctx=c.max_position_embeddings, **kw)
+
+
+def _assert_matches(label, m, model, ids):
+    """pinfer's logits against transformers' within TOL, top-1 within TOP1, greedy tokens equal."""
+    got, ref = m.forward(ids, logits_from=0), _reference(model, ids)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"{label}: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e})")
+    assert rel <= TOL and (got.argmax(1) == ref.argmax(1)).mean() >= TOP1
+    assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_hf_folder_converts_and_matches_transformers(tmp_path, case):
     model = make_hf_model(tmp_path / case, case)
@@ -231,10 +248,7 @@ def test_llama_through_both_front_ends_gives_the_same_logits(tmp_path):
         w[f"blk.{i}.attn_k.weight"] = permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads)
         for hf, gg in names.items():
             w[f"blk.{i}.{gg}.weight"] = sd[p + hf + ".weight"]
-    gguf_path = make_tiny_llama_gguf(
-        tmp_path / "same.gguf", weights=w, n_layer=c.num_hidden_layers, d_model=c.hidden_size,
-        n_ff=c.intermediate_size, n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads,
-        vocab=c.vocab_size, eps=c.rms_norm_eps, ctx=c.max_position_embeddings)
+    gguf_path = _gguf_from(c, tmp_path / "same.gguf", "llama", w)
     a = Model(_convert(tmp_path / "hf", tmp_path / "hf.pinf"), RuntimeOptions(threads=1, n_ctx=128))
     b = Model(_convert(gguf_path, tmp_path / "gguf.pinf"), RuntimeOptions(threads=1, n_ctx=128))
     assert a.cfg.rope_interleaved is False and b.cfg.rope_interleaved is True
@@ -266,21 +280,15 @@ def test_qwen_gguf_converts_and_matches_transformers(tmp_path, arch):
         w["output.weight"] = sd["lm_head.weight"]
     for i in range(c.num_hidden_layers):
         w |= {f"blk.{i}.{gg}": sd[f"model.layers.{i}.{hf}"] for hf, gg in names.items()}
-    gguf_path = make_tiny_llama_gguf(
-        tmp_path / f"{arch}.gguf", arch_name=arch, weights=w, n_layer=c.num_hidden_layers, d_model=c.hidden_size,
-        n_ff=c.intermediate_size, n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads,
-        vocab=c.vocab_size, eps=c.rms_norm_eps, ctx=c.max_position_embeddings,
-        extra_kv={"tokenizer.ggml.pre": "qwen2", f"{arch}.attention.key_length": head_dim,
-                  f"{arch}.attention.value_length": head_dim, f"{arch}.rope.dimension_count": head_dim})
+    gguf_path = _gguf_from(c, tmp_path / f"{arch}.gguf", arch, w,
+                           extra_kv={"tokenizer.ggml.pre": "qwen2", f"{arch}.attention.key_length": head_dim,
+                                     f"{arch}.attention.value_length": head_dim,
+                                     f"{arch}.rope.dimension_count": head_dim})
     m = Model(_convert(gguf_path, tmp_path / f"{arch}.pinf"), RuntimeOptions(threads=1, n_ctx=128))
     assert m.cfg.arch == arch and m.cfg.rope_interleaved is False and m.cfg.head_dim == head_dim
     assert (f"blk.0.attn_q_norm.weight" in m.reader.header["tensors"]) == (arch == "qwen3")
     ids = [int(i) for i in np.random.default_rng(4).integers(0, c.vocab_size, N_TOKENS)]
-    got, ref = m.forward(ids, logits_from=0), _reference(model, ids)
-    rel = np.abs(got - ref).max() / np.abs(ref).max()
-    print(f"{arch} GGUF: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e})")
-    assert rel <= TOL and (got.argmax(1) == ref.argmax(1)).mean() >= TOP1
-    assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
+    _assert_matches(f"{arch} GGUF", m, model, ids)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0"])
@@ -301,11 +309,8 @@ def test_phi3_gguf_converts_and_matches_transformers(tmp_path, qtype):
     for i in range(c.num_hidden_layers):
         w |= {f"blk.{i}.{gg}": sd[f"model.layers.{i}.{hf}"] for hf, gg in names.items()}
     head_dim, n_ff = c.hidden_size // c.num_attention_heads, c.intermediate_size
-    shape = dict(qtype=qtype, n_layer=c.num_hidden_layers, d_model=c.hidden_size, n_ff=n_ff,
-                 n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads, vocab=c.vocab_size,
-                 eps=c.rms_norm_eps, ctx=c.max_position_embeddings)
-    gguf_path = make_tiny_llama_gguf(tmp_path / "phi3.gguf", arch_name="phi3", weights=w, **shape,
-                                     extra_kv={"phi3.rope.dimension_count": head_dim // 2})
+    gguf_path = _gguf_from(c, tmp_path / "phi3.gguf", "phi3", w, qtype=qtype,
+                           extra_kv={"phi3.rope.dimension_count": head_dim // 2})
     m = Model(_convert(gguf_path, tmp_path / "phi3.pinf"), RuntimeOptions(threads=1, n_ctx=128))
     assert m.cfg.arch == "phi3" and m.cfg.rope_interleaved is False and m.cfg.rotary_dim == head_dim // 2
     ids = [int(i) for i in np.random.default_rng(5).integers(0, c.vocab_size, N_TOKENS)]
@@ -322,8 +327,8 @@ def test_phi3_gguf_converts_and_matches_transformers(tmp_path, qtype):
             apart |= {f"blk.{i}.attn_q.weight": qkv[:q], f"blk.{i}.attn_k.weight": qkv[q:q + kv],
                       f"blk.{i}.attn_v.weight": qkv[q + kv:], f"blk.{i}.ffn_gate.weight": gu[:n_ff],
                       f"blk.{i}.ffn_up.weight": gu[n_ff:]}
-        other = make_tiny_llama_gguf(tmp_path / "apart.gguf", arch_name="qwen2", weights=apart, **shape,
-                                     extra_kv={"qwen2.rope.dimension_count": head_dim // 2})
+        other = _gguf_from(c, tmp_path / "apart.gguf", "qwen2", apart, qtype=qtype,
+                           extra_kv={"qwen2.rope.dimension_count": head_dim // 2})
         ref = Model(_convert(other, tmp_path / "apart.pinf"), RuntimeOptions(threads=1, n_ctx=128)).forward(
             ids, logits_from=0)
     rel = np.abs(got - ref).max() / np.abs(ref).max()
@@ -361,18 +366,11 @@ def test_gemma_gguf_converts_and_matches_transformers(tmp_path, arch):
     if arch == "gemma2":
         keys |= {"gemma2.attn_logit_softcapping": c.attn_logit_softcapping,
                  "gemma2.final_logit_softcapping": c.final_logit_softcapping}
-    gguf_path = make_tiny_llama_gguf(
-        tmp_path / f"{arch}.gguf", arch_name=arch, weights=w, n_layer=c.num_hidden_layers, d_model=c.hidden_size,
-        n_ff=c.intermediate_size, n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads,
-        vocab=c.vocab_size, eps=c.rms_norm_eps, ctx=c.max_position_embeddings, extra_kv=keys)
+    gguf_path = _gguf_from(c, tmp_path / f"{arch}.gguf", arch, w, extra_kv=keys)
     m = Model(_convert(gguf_path, tmp_path / f"{arch}.pinf"), RuntimeOptions(threads=1, n_ctx=128))
     assert m.cfg.arch == arch and m.cfg.ffn_act == "gelu" and m.cfg.tied_embeddings
     ids = [int(i) for i in np.random.default_rng(6).integers(0, c.vocab_size, N_TOKENS)]
-    got, ref = m.forward(ids, logits_from=0), _reference(model, ids)
-    rel = np.abs(got - ref).max() / np.abs(ref).max()
-    print(f"{arch} GGUF: max |dlogit| / max |logit| = {rel:.2e} (tolerance {TOL:.0e})")
-    assert rel <= TOL and (got.argmax(1) == ref.argmax(1)).mean() >= TOP1
-    assert _greedy_pinfer(m, ids[:8], GREEDY) == _greedy_hf(model, ids[:8], GREEDY)
+    _assert_matches(f"{arch} GGUF", m, model, ids)
 
 
 def test_a_rope_width_the_attention_kernel_lacks_is_refused_in_a_sentence(tmp_path):

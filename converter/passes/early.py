@@ -235,7 +235,7 @@ def _down_t(fmt, has_min, w):
 def _kernel(cfg, formats, rank, threads, rng):
     """A SparseFFN at the model's shapes in `formats` (plan.BundleFormats), random weights, with
     a predictor of `rank` whose scores are its bias (b2) alone; and the float gate/up rows."""
-    from pinfer.kernels import ACTIVATIONS, SparseFFN
+    from pinfer.kernels import SparseFFN
     d, n = cfg.d_model, cfg.n_ff
     fg, fd = formats.gate_up[0], formats.down[0]
     gate, gp = _weights(fg, n, d, rng)
@@ -245,7 +245,7 @@ def _kernel(cfg, formats, rank, threads, rng):
     _, p1 = _weights("q8", rank, d, rng)
     p2 = blocks.quantize("q8", np.zeros((n, rank), np.float32))
     b2 = ((rng.permutation(n) + 0.5) / n).astype(np.float32)    # scores: candidates are b2 >= a quantile
-    k = SparseFFN(gate_up, down, n, d, cfg.ffn_act if cfg.ffn_act in ACTIVATIONS else "silu", (p1, p2, b2),
+    k = SparseFFN(gate_up, down, n, d, cfg.ffn_act, (p1, p2, b2),
                   threads, down_rows="transpose" if fd == "q4r" else None)
     return k, gate, up
 

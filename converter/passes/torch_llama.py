@@ -73,13 +73,8 @@ class Rotary:
     """cos/sin (T, rotary_dim/2) for positions 0..T-1, applied in the file's pair layout."""
 
     def __init__(self, cfg, n_pos, freq_divisors=None, device="cpu", local=False):
-        half = cfg.rotary_dim // 2
-        base, scale = (cfg.rope_base_local, 1.0) if local else (cfg.rope_base, cfg.rope_linear_scale)
-        inv = base ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rotary_dim)
-        if freq_divisors is not None and not local:
-            inv = inv / torch.as_tensor(np.asarray(freq_divisors), dtype=torch.float64)
-        ang = torch.outer(torch.arange(n_pos, dtype=torch.float64) / scale, inv)
-        self.cos, self.sin = ang.cos().float().to(device), ang.sin().float().to(device)
+        from pinfer.runtime.kv import rope_tables      # the runtime's tables: one definition of RoPE
+        self.cos, self.sin = (torch.from_numpy(t).to(device) for t in rope_tables(cfg, n_pos, freq_divisors, local))
         self.rot, self.interleaved = cfg.rotary_dim, cfg.rope_interleaved
         # the windowed layers' own table (Gemma 3), where the model has one
         self.local = Rotary(cfg, n_pos, None, device, True) if cfg.rope_base_local and not local else None
@@ -115,16 +110,15 @@ def attention(h, w, cfg, rotary):
         q, k = rotary(q, local), rotary(k, local)
     group = cfg.n_head // cfg.n_head_kv
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    pos = torch.arange(T, device=h.device)
-    mask = pos[None, :] <= pos[:, None]
-    if cfg.windowed(w.index) and T > cfg.sliding_window:
-        mask = mask & (pos[:, None] - pos[None, :] < cfg.sliding_window)
-    scale = cfg.attn_scale or None
+    windowed, scale = cfg.windowed(w.index) and T > cfg.sliding_window, cfg.attn_scale or None
+    if windowed or cfg.attn_softcap:
+        pos = torch.arange(T, device=h.device)
+        mask = (pos[None, :] <= pos[:, None]) & ((pos[:, None] - pos[None, :] < cfg.sliding_window) if windowed else True)
     if cfg.attn_softcap:            # scores c * tanh(s / c), then the mask (Gemma 2)
         s = (q @ k.transpose(-1, -2)) * (scale or hd ** -0.5)
         s = torch.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
         o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
-    elif cfg.windowed(w.index) and T > cfg.sliding_window:
+    elif windowed:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -203,11 +197,11 @@ class Head:
     def nll(self, h, targets):
         """h (N, d), targets (N,) -> negative log-likelihoods (N,), float64; `rows` tokens at a time
         bound the logits buffer."""
-        x = norm(h, self.norm, self.bias, self.cfg)
+        x, targets = norm(h, self.norm, self.bias, self.cfg), targets.to(self.device)
         out = []
         for s in range(0, len(x), self.rows):
             lp = self._cap(x[s:s + self.rows] @ self.w.T).log_softmax(-1)
-            out.append(-lp.gather(1, targets[s:s + self.rows, None].to(lp.device))[:, 0].double())
+            out.append(-lp.gather(1, targets[s:s + self.rows, None])[:, 0].double())
         return torch.cat(out)
 
 

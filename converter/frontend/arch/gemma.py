@@ -18,7 +18,7 @@ from pinfer.formats.config import ModelConfig
 from .llama import HF_TENSORS as LLAMA_HF_TENSORS
 from .llama import TENSORS as LLAMA_TENSORS
 from .llama import config_from_gguf as llama_config_from_gguf
-from .llama import expand_hf, hf_int
+from .llama import expand_hf, gguf_row_splits, hf_int  # noqa: F401  (no fused tensors)
 
 TENSORS = dict(LLAMA_TENSORS) | {
     "attn_post_norm": "blk.{}.post_attention_norm.weight",   # (d_model,) after attention
@@ -30,17 +30,13 @@ GGUF_LOCAL_BASE = {"gemma3": 10000.0}
 BIG_27B = {("gemma2", 46), ("gemma3", 62)}
 
 
-def gguf_row_splits(cfg):
-    return {}
-
-
 def config_from_gguf(meta, tensor_names):
     arch = meta["general.architecture"]
     cfg = llama_config_from_gguf(meta, tensor_names)
     window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
     scale = 1 / math.sqrt(cfg.d_model / cfg.n_head) if (arch, cfg.n_layer) in BIG_27B else 0.0
     return dataclasses.replace(
-        cfg, rope_interleaved=False, ffn_act="gelu", tied_embeddings=True, sliding_window=window,
+        cfg, ffn_act="gelu", tied_embeddings=True, sliding_window=window,
         sliding_pattern=GGUF_PATTERN[arch] if window else 0, rope_base_local=GGUF_LOCAL_BASE.get(arch, 0.0),
         embed_scale=math.sqrt(cfg.d_model), attn_scale=scale,
         attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", 0.0) or 0.0),

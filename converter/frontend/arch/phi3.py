@@ -10,7 +10,7 @@ LongRoPE scaling (the 128k-context variants: rope_factors_long/short) are refuse
 import dataclasses
 
 from ..hf_source import RowSlice
-from .llama import TENSORS, expand_hf, hf_int  # noqa: F401  (the roles are the llama module's)
+from .llama import TENSORS, expand_hf  # noqa: F401  (the roles are the llama module's)
 from .llama import config_from_gguf as llama_config_from_gguf
 from .llama import config_from_hf as llama_config_from_hf
 
@@ -37,9 +37,8 @@ def _refuse_longrope(kind):
 def config_from_gguf(meta, tensor_names):
     if "rope_factors_long.weight" in tensor_names or "rope_factors_short.weight" in tensor_names:
         _refuse_longrope("LongRoPE")
-    cfg = llama_config_from_gguf(meta, tensor_names)
-    window = int(meta.get("phi3.attention.sliding_window", 0) or 0)
-    return dataclasses.replace(cfg, rope_interleaved=False, sliding_window=window)
+    cfg = llama_config_from_gguf(meta, tensor_names)      # rotate-half: llama.ROTATE_HALF has phi3
+    return dataclasses.replace(cfg, sliding_window=int(meta.get("phi3.attention.sliding_window", 0) or 0))
 
 
 HF_FUSED = {"qkv": "model.layers.{}.self_attn.qkv_proj.weight", "gate_up": "model.layers.{}.mlp.gate_up_proj.weight"}
@@ -63,8 +62,7 @@ def config_from_hf(c):
                                | {"rope_theta": rope.get("rope_theta") or c.get("rope_theta") or 10000.0})
     factor = float(rope.get("partial_rotary_factor") or c.get("partial_rotary_factor") or 1.0)
     window = c.get("sliding_window")
-    return dataclasses.replace(cfg, arch="phi3", rotary_dim=int(cfg.head_dim * factor), sliding_window=int(window or 0),
-                               n_ff=hf_int(c, "intermediate_size"))
+    return dataclasses.replace(cfg, arch="phi3", rotary_dim=int(cfg.head_dim * factor), sliding_window=int(window or 0))
 
 
 def hf_tensors(c, cfg):
