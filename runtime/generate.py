@@ -6,8 +6,6 @@ prompt tok/s = prompt tokens / prefill time; decode tok/s = tokens after the fir
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .model import ContextFull, Model, RuntimeOptions
 from .sample import Sampler, SamplerConfig
 from .tokenizer import Tokenizer

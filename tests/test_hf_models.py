@@ -286,7 +286,7 @@ def test_qwen_gguf_converts_and_matches_transformers(tmp_path, arch):
                                      f"{arch}.rope.dimension_count": head_dim})
     m = Model(_convert(gguf_path, tmp_path / f"{arch}.pinf"), RuntimeOptions(threads=1, n_ctx=128))
     assert m.cfg.arch == arch and m.cfg.rope_interleaved is False and m.cfg.head_dim == head_dim
-    assert (f"blk.0.attn_q_norm.weight" in m.reader.header["tensors"]) == (arch == "qwen3")
+    assert ("blk.0.attn_q_norm.weight" in m.reader.header["tensors"]) == (arch == "qwen3")
     ids = [int(i) for i in np.random.default_rng(4).integers(0, c.vocab_size, N_TOKENS)]
     _assert_matches(f"{arch} GGUF", m, model, ids)
 
