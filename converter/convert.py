@@ -329,7 +329,7 @@ def _ffn_bundles(src, n, gu_names, cfg, i, em, perm, quant):
     fg, floats = fm.gate_up[0], None
     if fm.gate_up_carried:
         parts = [src.block(name)[1] for name in gu_names]
-        parts = [blocks.with_min(p) for p in parts] if fm.gate_up[1] else parts
+        parts = [blocks.with_min(p, fg) for p in parts] if fm.gate_up[1] else parts
     else:
         floats = [src.floats(name) for name in gu_names]
         parts = [blocks.quantize(fg, x) for x in floats]

@@ -18,6 +18,12 @@ from .schema import GROUP
 #         of byte j + 4 with the top 2 bits of byte j - 4 above it, m[j] the high nibble of byte j + 4
 #         with the top 2 bits of byte j above it. qs holds 4 runs of 32 bytes: run r gives sub-block
 #         2r its low nibbles and sub-block 2r + 1 its high ones. value = d*sc[j]*q - dmin*m[j]
+# and the 5-bit ones, whose fifth bits come apart from the low nibbles:
+#   Q5_0: d f16 | qh u32 | qs u8[16]   value i = d*(q - 16) with q = (qs[i] & 15) | bit i of qh << 4,
+#                                      value i+16 the same from qs[i] >> 4 and bit i+16 of qh
+#   Q5_1: d f16 | m f16 | qh u32 | qs u8[16]   as Q5_0, value = d*q + m
+#   Q5_K: d f16 | dmin f16 | scales u8[12] | qh u8[32] | qs u8[128]   as Q4_K, plus element l of
+#         sub-block j has bit j of qh[l] as its fifth bit
 
 
 def _pairs(nibbles):
@@ -32,11 +38,33 @@ def _unpairs(packed):
     return out
 
 
+def _pack5(vals):
+    """(rows, groups, 32) values 0..31 -> q5's (q, qh) (schema: the low nibbles as q4; per group the
+    even elements' fifth bits as a little-endian u16, then the odd elements')."""
+    rows, nb, _ = vals.shape
+    high = (vals >> 4).astype(np.uint8)
+    planes = np.concatenate([high[..., 0::2], high[..., 1::2]], axis=-1).reshape(rows, nb, 4, 8)
+    qh = np.packbits(planes, axis=-1, bitorder="little").reshape(rows, nb * 4)
+    return _pairs(vals & 15).reshape(rows, nb * 16), qh
+
+
+def _unpack5(q, qh):
+    """q5's (q (n, K/2), qh (n, K/8)) -> (n, K) values 0..31."""
+    n = q.shape[0]
+    bits = np.unpackbits(qh.reshape(n, -1, 4, 1), axis=-1, bitorder="little").reshape(n, -1, 32)
+    high = np.empty_like(bits)
+    high[..., 0::2], high[..., 1::2] = bits[..., :16], bits[..., 16:]
+    return _unpairs(q) | (high.reshape(n, -1) << 4)
+
+
 # GGUF type -> (.pinf format, has a min) of from_gguf's exact carry-over; from_gguf_transposed
 # gives the "r" form of the quantized ones (TRANSPOSED)
 # (Q4_K: its sub-blocks of 32 carry over as q4 groups, scale d*sc and min -dmin*m rounded to f16)
+# (Q5_0, Q5_1, Q5_K: q5 groups likewise, Q5_K's scale and min as Q4_K's; q5 has no "r" form, so a
+# 5-bit W_down whose groups run along n_ff is re-quantized)
 EXACT = {Q.F32: ("f32", False), Q.F16: ("f16", False), Q.Q4_0: ("q4", False), Q.Q4_1: ("q4", True),
-         Q.Q8_0: ("q8", False), Q.Q4_K: ("q4", True)}
+         Q.Q8_0: ("q8", False), Q.Q4_K: ("q4", True), Q.Q5_0: ("q5", False), Q.Q5_1: ("q5", True),
+         Q.Q5_K: ("q5", True)}
 TRANSPOSED = {"f32": "f32", "f16": "f16", "q4": "q4r", "q8": "q8r"}
 
 
@@ -61,6 +89,19 @@ def from_gguf(ttype, raw, rows, k):
         return "q4", parts
     if ttype == Q.Q4_K:
         return "q4", _from_q4_k(raw, rows, k)
+    if ttype in (Q.Q5_0, Q.Q5_1):
+        has_min = ttype == Q.Q5_1
+        blocks = raw.reshape(rows, nb, 24 if has_min else 22)
+        qs = blocks[..., -16:]
+        qh = np.unpackbits(blocks[..., -20:-16], axis=-1, bitorder="little")   # bit i of the u32
+        vals = np.concatenate([qs & 15, qs >> 4], axis=-1) | (qh << 4)
+        q, h = _pack5(vals)
+        parts = {"q": q, "qh": h, "scale": blocks[..., 0:2].copy().view(np.float16).reshape(rows, nb)}
+        if has_min:
+            parts["min"] = blocks[..., 2:4].copy().view(np.float16).reshape(rows, nb)
+        return "q5", parts
+    if ttype == Q.Q5_K:
+        return "q5", _from_q5_k(raw, rows, k)
     if ttype == Q.Q8_0:
         blocks = raw.reshape(rows, nb, 34)
         q = blocks[..., 2:].view(np.int8).reshape(rows, k)
@@ -69,19 +110,37 @@ def from_gguf(ttype, raw, rows, k):
     return None
 
 
-def _from_q4_k(raw, rows, k):
-    """Q4_K blocks -> q4 parts with a min: each 32-value sub-block is one q4 group."""
-    blocks = raw.reshape(rows, k // 256, 144)
+def _k_scales(blocks, rows, k):
+    """A K-quant super-block's per-sub-block scale d*sc and min -dmin*m (Q4_K's and Q5_K's packing
+    of 6-bit sc and m), rounded to f16, (rows, k/32)."""
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)        # (rows, n, 1)
     dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
     s = blocks[..., 4:16].astype(np.uint8)
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
     mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
-    qs = blocks[..., 16:].reshape(rows, k // 256, 4, 32)
-    vals = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, k // 256, 8, 32)  # sub-blocks in order
-    return {"q": _pairs(vals).reshape(rows, k // 2),
-            "scale": (d * sc).astype(np.float16).reshape(rows, k // GROUP),
+    return {"scale": (d * sc).astype(np.float16).reshape(rows, k // GROUP),
             "min": (-(dmin * mn)).astype(np.float16).reshape(rows, k // GROUP)}
+
+
+def _k_nibbles(qs, rows, k):
+    """A K-quant's 4 runs of 32 bytes -> (rows, k/256, 8, 32) low nibbles, sub-blocks in order."""
+    qs = qs.reshape(rows, k // 256, 4, 32)
+    return np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, k // 256, 8, 32)
+
+
+def _from_q4_k(raw, rows, k):
+    """Q4_K blocks -> q4 parts with a min: each 32-value sub-block is one q4 group."""
+    blocks = raw.reshape(rows, k // 256, 144)
+    return {"q": _pairs(_k_nibbles(blocks[..., 16:], rows, k)).reshape(rows, k // 2), **_k_scales(blocks, rows, k)}
+
+
+def _from_q5_k(raw, rows, k):
+    """Q5_K blocks -> q5 parts with a min: each 32-value sub-block is one q5 group."""
+    blocks = raw.reshape(rows, k // 256, 176)
+    high = np.unpackbits(blocks[..., 16:48, None], axis=-1, bitorder="little")     # (rows, n, 32 l, 8 j)
+    vals = _k_nibbles(blocks[..., 48:], rows, k) | (np.swapaxes(high, -1, -2) << 4)
+    q, qh = _pack5(vals.reshape(rows, k // GROUP, GROUP))
+    return {"q": q, "qh": qh, **_k_scales(blocks, rows, k)}
 
 
 def from_gguf_transposed(ttype, raw, rows, k):
@@ -91,6 +150,8 @@ def from_gguf_transposed(ttype, raw, rows, k):
     if t is None:
         return None
     fmt, parts = t
+    if fmt == "q5":
+        return None
     if fmt in ("f32", "f16"):
         return fmt, {"w": np.ascontiguousarray(parts["w"].T)}
     if fmt == "q4":
@@ -133,13 +194,17 @@ def quantize(fmt, w):
         inv = np.divide(1.0, scale.astype(np.float32), out=np.zeros_like(amax), where=scale != 0)
         q = np.clip(np.rint(g * inv[..., None]), -127, 127).astype(np.int8)
         return {"q": (q.view(np.uint8) ^ 0x80).reshape(rows, k), "scale": scale}
-    if fmt == "q4":
+    if fmt in ("q4", "q5"):
+        top = 15 if fmt == "q4" else 31
         lo, hi = g.min(axis=-1), g.max(axis=-1)
-        scale = ((hi - lo) / 15).astype(np.float16)
+        scale = ((hi - lo) / top).astype(np.float16)
         mn = lo.astype(np.float16)
         s32 = scale.astype(np.float32)
         inv = np.divide(1.0, s32, out=np.zeros_like(s32), where=s32 != 0)
-        q = np.clip(np.rint((g - mn.astype(np.float32)[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+        q = np.clip(np.rint((g - mn.astype(np.float32)[..., None]) * inv[..., None]), 0, top).astype(np.uint8)
+        if fmt == "q5":
+            q5, qh = _pack5(q)
+            return {"q": q5, "qh": qh, "scale": scale, "min": mn}
         return {"q": _pairs(q).reshape(rows, k // 2), "scale": scale, "min": mn}
     raise ValueError(f"unknown block format {fmt!r}")
 
@@ -164,12 +229,13 @@ def dequantize(fmt, parts, rows=None):
     if fmt == "q8":
         q = (sel(parts["q"]) ^ 0x80).view(np.int8).astype(np.float32).reshape(n, nb, GROUP)
         return (q * scale[..., None]).reshape(n, nb * GROUP)
-    if fmt == "q4":
-        q = _unpairs(sel(parts["q"])).astype(np.float32).reshape(n, nb, GROUP)
+    if fmt in ("q4", "q5"):
+        q = (_unpairs(sel(parts["q"])) if fmt == "q4" else _unpack5(sel(parts["q"]), sel(parts["qh"])))
+        q = q.astype(np.float32).reshape(n, nb, GROUP)
         if "min" in parts:
             w = q * scale[..., None] + sel(parts["min"]).astype(np.float32)[..., None]
         else:
-            w = (q - 8) * scale[..., None]
+            w = (q - NO_MIN_OFFSET[fmt]) * scale[..., None]
         return w.reshape(n, nb * GROUP)
     raise ValueError(f"unknown block format {fmt!r}")
 
@@ -178,24 +244,27 @@ def dequantize_gguf(ttype, raw, rows, k):
     return quants.dequantize(np.asarray(raw), ttype).reshape(rows, k).astype(np.float32, copy=False)
 
 
-def with_min(parts):
-    """q4 parts with an explicit min: a min-less block's value scale*(q - 8) has min = -8*scale
-    (exact in f16: a power-of-two multiple)."""
+NO_MIN_OFFSET = {"q4": 8, "q4r": 8, "q5": 16}    # value = scale*(q - offset) without a min
+
+
+def with_min(parts, fmt="q4"):
+    """q4 (or q5) parts with an explicit min: a min-less block's value scale*(q - 8) (q5: - 16) has
+    min = -8*scale (-16*scale; exact in f16: a power-of-two multiple)."""
     if "min" in parts:
         return parts
-    return dict(parts, min=(parts["scale"].astype(np.float32) * -8).astype(np.float16))
+    return dict(parts, min=(parts["scale"].astype(np.float32) * -NO_MIN_OFFSET[fmt]).astype(np.float16))
 
 
 def concat_rows(blocks):
-    """Stack [(fmt, parts), ...] with equal K along rows; q4 with and without min mix by giving the
-    min-less ones min = -8*scale (exact in f16: a power-of-two multiple)."""
+    """Stack [(fmt, parts), ...] with equal K along rows; q4 (q5) with and without min mix by giving
+    the min-less ones min = -8*scale (-16*scale; exact in f16: a power-of-two multiple)."""
     fmts = {f for f, _ in blocks}
     if len(fmts) != 1:
         raise ValueError(f"cannot concatenate block formats {sorted(fmts)}")
     fmt = fmts.pop()
     names = set().union(*(p.keys() for _, p in blocks))
-    if fmt == "q4" and "min" in names:
-        blocks = [(f, with_min(p)) for f, p in blocks]
+    if fmt in ("q4", "q5") and "min" in names:
+        blocks = [(f, with_min(p, f)) for f, p in blocks]
     return fmt, {n: np.concatenate([p[n] for _, p in blocks], axis=0) for n in names}
 
 

@@ -5,6 +5,10 @@ into ONNX Runtime ops. The converter's back end builds every layer graph with it
 builds its MatMulNBits down projection with it. Formats:
   q4  -> MatMulNBits(bits=4) (default zero point 8), plus sum_blocks(x) @ (min + 8*scale)^T when
          the weight has a min (GGUF Q4_1); the extra term is exact and reads K/32 values per row;
+  q5  -> MatMulNBits(bits=8) with zero point 16 over the 5-bit values, which a few integer ops
+         rebuild from the nibble and fifth-bit planes; their inputs are all initializers, so ONNX
+         Runtime folds them once when the session is made (memory then holds a byte per weight, as
+         q8 does; the file keeps 5.5 bits); a min adds the term q4's does (min + 16*scale);
   q8  -> MatMulNBits(bits=8) (default zero point 128: .pinf stores q8 offset by 128);
   f16/f32 -> MatMul with the transposed weight (f16 cast to f32; both folded at session load).
 """
@@ -76,20 +80,43 @@ class GraphBuilder:
         if fmt in ("f16", "f32"):
             w = self.node("Reshape", [self.f32(part("w")), self.const(np.array([rows, k]))])
             return self.node("MatMul", [x, self.node("Transpose", [w], perm=[1, 0])])
-        bits = {"q4": 4, "q8": 8}[fmt]
+        bits = {"q4": 4, "q5": 8, "q8": 8}[fmt]
         nb = k // S.GROUP
-        q = self.node("Reshape", [self.weight(part("q")), self.const(np.array([rows, nb, S.GROUP * bits // 8]))])
+        if fmt == "q5":
+            q = self._q5_values(part("q"), part("qh"), rows, nb)
+        else:
+            q = self.node("Reshape", [self.weight(part("q")), self.const(np.array([rows, nb, S.GROUP * bits // 8]))])
         scale = self.node("Reshape", [self.f32(part("scale")), self.const(np.array([rows, nb]))])
-        y = self.node("MatMulNBits", [x, q, scale], domain="com.microsoft",
+        inputs = [x, q, scale]
+        if fmt == "q5":     # zero point 16 for every block
+            inputs.append(self.node("Expand", [self.const(np.uint8(16)), self.const(np.array([rows, nb]))]))
+        y = self.node("MatMulNBits", inputs, domain="com.microsoft",
                       K=k, N=rows, bits=bits, block_size=S.GROUP, accuracy_level=ACCURACY_LEVEL)
-        if fmt == "q4" and part("min") in self.directory:
-            # value = scale*q + min = scale*(q - 8) + (min + 8*scale)
+        if fmt in ("q4", "q5") and part("min") in self.directory:
+            # value = scale*q + min = scale*(q - z) + (min + z*scale), z the zero point (8, or 16)
+            z = np.float32(8 if fmt == "q4" else 16)
             mins = self.node("Reshape", [self.f32(part("min")), self.const(np.array([rows, nb]))])
-            offset = self.node("Add", [mins, self.node("Mul", [scale, self.const(np.float32(8))])])
+            offset = self.node("Add", [mins, self.node("Mul", [scale, self.const(z)])])
             sums = self.node("ReduceSum", [self.node("Reshape", [x, self.const(np.array([1, -1, nb, S.GROUP]))]),
                                            self.const(np.array([-1]))], keepdims=0)
             y = self.node("Add", [y, self.node("MatMul", [sums, self.node("Transpose", [offset], perm=[1, 0])])])
         return y
+
+    def _q5_values(self, q, qh, rows, nb):
+        """(rows, nb, 32) uint8 5-bit values of a q5 weight from its planes (schema: q the low nibbles
+        as q4, qh per group the even elements' fifth bits as a u16, then the odd ones')."""
+        u8 = lambda v: self.const(np.uint8(v))  # noqa: E731
+        last = self.const(np.array([-1]))
+        pair = [self.node("Unsqueeze", [self.node("BitwiseAnd", [self.weight(q), u8(15)]), last]),
+                self.node("Unsqueeze", [self.node("BitShift", [self.weight(q), u8(4)], direction="RIGHT"), last])]
+        low = self.node("Reshape", [self.node("Concat", pair, axis=-1), self.const(np.array([rows, nb, S.GROUP]))])
+        bits = self.node("BitwiseAnd", [self.node("BitShift", [
+            self.node("Reshape", [self.weight(qh), self.const(np.array([rows, nb, 4, 1]))]),
+            self.const(np.arange(8, dtype=np.uint8))], direction="RIGHT"), u8(1)])         # (rows, nb, 4, 8)
+        planes = self.node("Reshape", [bits, self.const(np.array([rows, nb, 2, S.GROUP // 2]))])
+        high = self.node("Reshape", [self.node("Transpose", [planes], perm=[0, 1, 3, 2]),
+                                     self.const(np.array([rows, nb, S.GROUP]))])
+        return self.node("BitwiseOr", [low, self.node("BitShift", [high, u8(4)], direction="LEFT")])
 
     def build(self):
         g = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.inits)

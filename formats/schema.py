@@ -55,6 +55,11 @@ HEADER_KEYS = ("config", "tokenizer", "weights", "ffn", "sparsity", "layers", "p
 #   q4:  q u8 (rows, K/2)   element 2i in the low nibble of byte i, 2i+1 in the high nibble
 #        scale f16 (rows, K/GROUP)
 #        min f16 (rows, K/GROUP), optional: value = scale*q + min; without it scale*(q - 8)
+#   q5:  q u8 (rows, K/2) the low 4 bits of each element, as q4
+#        qh u8 (rows, K/8) the fifth bits: per group of 32, two little-endian u16, bit j of the first
+#           element 2j's, bit j of the second element 2j+1's (the nibble planes' order)
+#        scale f16 (rows, K/GROUP), min f16 (rows, K/GROUP) optional: value = scale*q + min with q
+#        the 5-bit value (0..31); without min scale*(q - 16)
 #   q8:  q u8 (rows, K) holding q + 128, scale f16 (rows, K/GROUP): value = scale*q
 #   f16: w f16 (rows, K)
 #   f32: w f32 (rows, K)
@@ -66,13 +71,14 @@ HEADER_KEYS = ("config", "tokenizer", "weights", "ffn", "sparsity", "layers", "p
 GROUP = 32
 BLOCK_FORMATS = {
     "q4": ("q", "scale", "min"),
+    "q5": ("q", "qh", "scale", "min"),
     "q8": ("q", "scale"),
     "q4r": ("q", "scale", "min"),
     "q8r": ("q", "scale"),
     "f16": ("w",),
     "f32": ("w",),
 }
-OPTIONAL_PARTS = ("min",)       # q4 and q4r without it: value = scale*(q - 8)
+OPTIONAL_PARTS = ("min",)       # without it: q4 and q4r scale*(q - 8), q5 scale*(q - 16)
 
 
 def block_parts(fmt, rows, k, has_min=True):
@@ -83,6 +89,8 @@ def block_parts(fmt, rows, k, has_min=True):
     by_row, by_group = (rows, k // g), (rows // g, k)
     parts = {
         "q4": {"q": ("u8", (rows, k // 2)), "scale": ("f16", by_row), "min": ("f16", by_row)},
+        "q5": {"q": ("u8", (rows, k // 2)), "qh": ("u8", (rows, k // 8)), "scale": ("f16", by_row),
+               "min": ("f16", by_row)},
         "q8": {"q": ("u8", (rows, k)), "scale": ("f16", by_row)},
         "q4r": {"q": ("u8", (rows, k // 2)), "scale": ("f16", by_group), "min": ("f16", by_group)},
         "q8r": {"q": ("u8", (rows, k)), "scale": ("f16", by_group)},

@@ -25,14 +25,14 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 # Quant types a fixture can be written in. gguf-py 0.19 can dequantize the K-quants but not
 # quantize them (quants.quantize raises NotImplementedError), so Q4_K and Q6_K use the small
 # encoders below; their bytes are checked against gguf.quants.dequantize in the tests.
-QTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+QTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 _FILE_TYPE = {
     "F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
     "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
-    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -158,23 +158,24 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+def quantize_q4_k(x: np.ndarray, top: int = 15) -> np.ndarray:
     """(rows, cols) float -> (rows, cols // 256 * 144) uint8 Q4_K blocks.
 
     Block: d f16, dmin f16, scales[12] (eight 6-bit scales and mins, packed), qs[128] nibbles.
-    value = d * sc * q - dmin * m, q in 0..15, one (sc, m) per 32 values.
+    value = d * sc * q - dmin * m, q in 0..15, one (sc, m) per 32 values. top=31: Q5_K (below).
     """
     rows = x.shape[0]
     blk = x.astype(np.float32).reshape(-1, 8, 32)  # (n_blocks, sub-block, value)
     mins = np.maximum(-blk.min(axis=-1), 0.0)  # (n, 8) offset subtracted, >= 0
-    scales = (blk.max(axis=-1) + mins) / 15.0  # (n, 8)
+    scales = (blk.max(axis=-1) + mins) / top  # (n, 8)
     d = (scales.max(axis=-1) / 63.0).astype(np.float16)
     dmin = (mins.max(axis=-1) / 63.0).astype(np.float16)
     d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
     sc = np.clip(np.round(_div0(scales, d32)), 0, 63).astype(np.uint8)
     m = np.clip(np.round(_div0(mins, dmin32)), 0, 63).astype(np.uint8)
     q = np.round(_div0(blk + (dmin32 * m)[..., None], (d32 * sc)[..., None]))  # (n_blocks, 8, 32)
-    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)  # sub-blocks 2g, 2g+1 share bytes
+    q5 = np.clip(q, 0, top).astype(np.uint8)  # (n_blocks, 8, 32)
+    q = (q5 & 15).reshape(-1, 4, 2, 32)  # sub-blocks 2g, 2g+1 share bytes
     qs = q[:, :, 0] | (q[:, :, 1] << 4)  # (n, 4, 32)
     # 6-bit packing: bytes 0-3 sc[0:4] | top bits of sc[4:8]; 4-7 the same for m; 8-11 low nibbles
     packed = np.concatenate([
@@ -184,11 +185,20 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     ], axis=1)
     n = q.shape[0]
     halves = [d.reshape(n, 1).view(np.uint8), dmin.reshape(n, 1).view(np.uint8)]
-    out = np.concatenate([*halves, packed, qs.reshape(n, 128)], axis=1)
+    fifth = []
+    if top == 31:   # Q5_K: qh[l] bit j is the fifth bit of sub-block j's element l
+        fifth = [((q5 >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)]
+    out = np.concatenate([*halves, packed, *fifth, qs.reshape(n, 128)], axis=1)
     return out.reshape(rows, -1)
 
 
-_K_ENCODERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """(rows, cols) float -> (rows, cols // 256 * 176) uint8 Q5_K blocks: Q4_K's with q in 0..31,
+    whose fifth bits sit in qh[32] between the scales and the nibbles."""
+    return quantize_q4_k(x, top=31)
+
+
+_K_ENCODERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
 
 
 def encode_tensor(w: np.ndarray, qtype: str) -> tuple[np.ndarray, QT | None]:

@@ -64,7 +64,7 @@ def test_a_compile_error_is_one_sentence(tmp_path, monkeypatch):
 # -- the planner -----------------------------------------------------------------------------------
 
 FORMAT_CASES = [("q4", "q4r"), ("q4-nomin", "q4r-nomin"), ("q4", "q4"), ("f16", "f16"), ("f32", "q8"),
-                ("q4-nomin", "f32")]
+                ("q4-nomin", "f32"), ("q5", "q4r"), ("q5-nomin", "q8")]
 
 
 @pytest.mark.parametrize("gu_fmt, dn_fmt", FORMAT_CASES)
@@ -203,7 +203,7 @@ def _layer(gu_fmt, dn_fmt, act, n, d, r, n_cand):
     return ((gf, gparts), (df, dparts), pred), x, thr, pthr, cand
 
 
-@pytest.mark.parametrize("gu_fmt, dn_fmt", [("q4", "q4r"), ("f16", "f16"), ("q4-nomin", "q8")])
+@pytest.mark.parametrize("gu_fmt, dn_fmt", [("q4", "q4r"), ("f16", "f16"), ("q4-nomin", "q8"), ("q5", "q4r")])
 @pytest.mark.parametrize("mode, act", [("dense", "silu"), ("down", "silu"), ("predicted", "silu"),
                                        ("relu", "relu"), ("given", "silu")])
 def test_a_split_layer_equals_the_whole(gu_fmt, dn_fmt, mode, act):
@@ -329,7 +329,7 @@ def gpu():
 
 
 @pytest.mark.parametrize("gu_fmt, dn_fmt", [("q4", "q4r"), ("q4-nomin", "q4r-nomin"), ("f16", "f16"),
-                                            ("q4", "q4"), ("f32", "q8")])
+                                            ("q4", "q4"), ("f32", "q8"), ("q5", "q4r"), ("q5-nomin", "q8")])
 @pytest.mark.parametrize("mode, act", [("dense", "silu"), ("down", "silu"), ("predicted", "silu"),
                                        ("relu", "relu"), ("given", "silu")])
 def test_gpu_hot_part_matches_the_cpu_kernel(gpu, gu_fmt, dn_fmt, mode, act):

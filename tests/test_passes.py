@@ -227,7 +227,7 @@ def test_calibration_jsonl_is_accepted(silu_file, tmp_path):
 
 # -- the FFN bundles' formats ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K"])
 def test_the_back_end_writes_the_formats_the_planner_counts(tmp_path, qtype):
     """plan.bundle_formats is the one decision of the FFN formats: the planner's byte model reads it
     and the back end writes it, for each source type and --quant (formats and the optional min)."""

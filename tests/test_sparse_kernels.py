@@ -24,10 +24,10 @@ def _restore_isa():
 def gate_up(fmt, n, d):
     """(format, parts (n, 2, ...), dense gate (n, d), dense up (n, d))."""
     w = RNG.standard_normal((2 * n, d)).astype(np.float32) * 0.2
-    base = "q4" if fmt.startswith("q4") else fmt
+    base = fmt.split("-")[0]
     parts = blocks.quantize(base, w)
-    if fmt == "q4-nomin":
-        parts = {"q": parts["q"], "scale": parts["scale"]}
+    if fmt.endswith("-nomin"):
+        parts.pop("min")
     dense = blocks.dequantize(base, parts)
     return base, {k: v.reshape(n, 2, -1) for k, v in parts.items()}, dense[0::2], dense[1::2]
 
@@ -63,7 +63,7 @@ def quantized_x(x):
 
 def reference(gu_fmt, G_, U_, W, x, act, mode, thr, cand):
     """(y, survivors) in float64; cand: candidate neurons or None for all."""
-    xe = quantized_x(x) if gu_fmt == "q4" else x.astype(np.float64)
+    xe = quantized_x(x) if gu_fmt in ("q4", "q5") else x.astype(np.float64)
     g, u = G_ @ xe, U_ @ xe
     if act == "gelu":           # GeGLU's 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), as g sigmoid(2 z):
         # the same function; exp in float32 as the kernel's expf, which overflows (h exactly 0)
@@ -98,7 +98,7 @@ def scores(pred, x):
 
 
 CASES = [("q4", "q4r"), ("q4", "q4"), ("q4-nomin", "q4r-nomin"), ("q4", "q4-nomin"), ("f16", "f16"),
-         ("q4-nomin", "f16"), ("f16", "q4r"), ("f32", "f32"), ("q4", "q8")]
+         ("q4-nomin", "f16"), ("f16", "q4r"), ("f32", "f32"), ("q4", "q8"), ("q5", "q4r"), ("q5-nomin", "q8")]
 
 
 @pytest.mark.parametrize("isa", AVAILABLE)
@@ -156,12 +156,13 @@ def test_empty_and_full_candidate_sets(isa):
         ffn(x, y, "given", candidates=[5, 3])
 
 
-def test_int8_dot_products_agree_across_instruction_sets():
+@pytest.mark.parametrize("gu_fmt", ["q4", "q5", "q5-nomin"])
+def test_int8_dot_products_agree_across_instruction_sets(gu_fmt):
     """The integer group sums are exact on every path; only the float combination may differ."""
     if len(AVAILABLE) < 2:
         pytest.skip(f"this CPU has only the {BEST} path, so there is nothing to compare")
     n, d = 64, 4096 + 96          # a chunk tail of three groups
-    gf, gparts, G_, U_ = gate_up("q4", n, d)
+    gf, gparts, G_, U_ = gate_up(gu_fmt, n, d)
     df, dparts, W = down("q4", n, d)
     ffn = SparseFFN((gf, gparts), (df, dparts), n, d)
     x = RNG.standard_normal(d).astype(np.float32)
@@ -225,12 +226,16 @@ def test_down_as_row_dots_over_w_down(isa, dn_fmt, n, d):
     _, _, h = reference(gf, G_, U_, W, x, "silu", "dense", 0, None)
     thr = gap_threshold(np.abs(h), 0.5)          # half the neurons survive
     want, keep, _ = reference(gf, G_, U_, W, x, "silu", "down", thr, None)
-    hq = np.zeros(n, np.float32)
-    hq[keep] = h[keep]
-    want_rows = quantized_x(hq) @ W.astype(np.float64)      # h as the row dots see it
     plain = SparseFFN((gf, gparts), (df, dparts), n, d)
     y_axpy = np.empty(d, np.float32)
     plain(x, y_axpy, "down", thr)
+    # h as the row dots see it: the kernel's own float32 h (the float64 reference's h can round to
+    # the other int8 step, one step times a row of W), quantized per group of 32
+    idx, hv = plain.survivors()
+    assert np.array_equal(idx, keep)
+    hq = np.zeros(n, np.float32)
+    hq[idx] = hv
+    want_rows = quantized_x(hq) @ W.astype(np.float64)
     outs = {}
     for rows_from, threads in ((0.4, 1), (0.4, 2), (0.6, 1)):
         ffn = SparseFFN((gf, gparts), (df, dparts), n, d, threads=threads, down_rows="transpose",

@@ -25,10 +25,12 @@ from reference import reference_logits
 
 from pinfer.converter.passes import DENSE
 from pinfer.converter.convert import ConvertError, ConvertOptions, convert
+from pinfer.formats import schema as S
+from pinfer.formats.reader import PinfReader
 from pinfer.runtime.model import Model, RuntimeOptions
 
 TOL = {"F32": 1e-4, "F16": 1e-4, "Q8_0": 4e-2, "Q4_0": 4e-2, "Q4_1": 4e-2, "Q5_0": 4e-2, "Q5_1": 4e-2,
-       "Q4_K": 4e-2, "Q6_K": 4e-2}
+       "Q4_K": 4e-2, "Q5_K": 4e-2, "Q6_K": 4e-2}
 IDS = [int(i) for i in np.random.default_rng(0).integers(0, 320, 40)]
 
 
@@ -103,10 +105,13 @@ def test_context_overflow_is_a_clear_error(tmp_path):
         m.forward([1])
 
 
-def test_given_active_sets_decode_through_the_fused_kernel(tmp_path):
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q5_K"])
+def test_given_active_sets_decode_through_the_fused_kernel(tmp_path, qtype):
     """Model.set_active_sets (the synthetic-model benchmark's hook): every neuron given equals the
-    dense decode up to the kernel's int8 activations; a tenth given reads a tenth of the rows."""
-    _, out = build(tmp_path, "Q4_0")
+    dense decode up to the kernel's int8 activations; a tenth given reads a tenth of the rows. The
+    5-bit sources keep 5 bits (q5) in the bundles, read by the kernel and by ONNX Runtime."""
+    _, out = build(tmp_path, qtype)
+    assert PinfReader(out).block(S.FFN_GATE_UP.format(0))[0] == ("q4" if qtype == "Q4_0" else "q5")
     m = Model(out, RuntimeOptions(threads=1))
     m.forward(IDS[:4])
     dense = np.concatenate([m.forward([t]).copy() for t in IDS[4:20]])

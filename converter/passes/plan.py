@@ -50,7 +50,7 @@ def bundle_formats(gate_up_types, down_type, quant, permuted, predictor_bytes=0,
     """The formats a layer's FFN bundles are written in, from the source's GGUF types of gate and
     up (up alone without a gate) and of down: the one decision the planner's byte model and the
     back end (convert._ffn_bundles) both take. gate/up carry over when both have one exact .pinf
-    format (q4 with and without min meet as q4 with min), else they are re-quantized to q8; fp16
+    format (q4 or q5 with and without min meet with a min), else they are re-quantized to q8; fp16
     makes f16, int4 and mixed 4 bits (mixed: the cold rows' format). down carries over where
     carries_down says (or, where the source already holds down_t a row per neuron, as PowerInfer
     files do, in any order, as the row formats move freely); else f16, q4 (int4, mixed) or q8."""
@@ -63,6 +63,8 @@ def bundle_formats(gate_up_types, down_type, quant, permuted, predictor_bytes=0,
     if quant == "mixed" or quant == "int4" and gu[0] != "q4":
         gu, carried = ("q4", True), False
     dn = EXACT.get(down_type)
+    if dn is not None and dn[0] == "q5":     # the sparse kernels' down_t rows and the "r" forms have no 5 bits
+        dn = None
     if dn is not None and down_neuron_major and quant != "mixed" and (quant == "auto" or dn[0] == "q4"):
         return BundleFormats(gu, dn, predictor_bytes, carried, True)
     if dn is not None and not down_neuron_major and carries_down(quant, TRANSPOSED[dn[0]], permuted):

@@ -192,7 +192,7 @@ def check_arrays(spec, k, gate_up, down, predictor=None):
         raise ValueError(f"the layer's parts {sorted(arrays)} are not the planned {sorted(planned)}")
     for name, a in arrays.items():
         floats = {"gu.w": spec.gate_up[0], "dn.w": spec.down[0]}
-        want = (np.uint8 if name.endswith(".q") else np.int32 if name == "iota" else np.float32 if name == "b2"
+        want = (np.uint8 if name.endswith((".q", ".qh")) else np.int32 if name == "iota" else np.float32 if name == "b2"
                 else np.dtype(floats[name].replace("f", "float")) if name in floats else np.float16)
         if layout[name][1] != a.nbytes or a.dtype != want or not a.flags.c_contiguous:
             raise ValueError(f"layer buffer {name}: {a.dtype} {a.nbytes} bytes against the plan's "
@@ -383,14 +383,14 @@ class HotFFN:
         warps = lambda n: -(-n * 32 // THREADS)   # noqa: E731  blocks of THREADS for n warps
         part = lambda p, name: at.get(f"{p}.{name}", 0)   # noqa: E731  null for a missing min
         gu = [(self.gu_fmt, _I), (part("gu", "q") or part("gu", "w"), _P), (part("gu", "scale"), _P),
-              (part("gu", "min"), _P)]
+              (part("gu", "min"), _P), (part("gu", "qh"), _P)]
         dn = [(self.dn_fmt, _I), (part("dn", "q") or part("dn", "w"), _P), (part("dn", "scale"), _P),
               (part("dn", "min"), _P)]
         candidates = S.MODES[mode].candidates
         cand = at["iota"] if candidates == "all" else at["cand"]
         count, nsurv = at["counts"], at["counts"] + 4
         rule, act = RULES[S.MODES[mode].rule], self.act
-        quantized = self.gu_fmt == GU_FORMATS["q4"]     # int4 rows meet int8 x, as on the CPU
+        quantized = self.gu_fmt in (GU_FORMATS["q4"], GU_FORMATS["q5"])   # int4/5 rows meet int8 x, as on the CPU
 
         def launch():
             g.zero(at["counts"], 2)

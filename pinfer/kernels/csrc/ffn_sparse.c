@@ -8,6 +8,9 @@
  *   gate_up  FMT_Q4   q u8 (n, 2, d/2), scale f16 (n, 2, d/G), min f16 (n, 2, d/G) or none;
  *                     neuron j: its gate row, then its up row; in a row, element 2k is the low
  *                     nibble of byte k and 2k+1 the high one; w = scale*q + min, or scale*(q - 8)
+ *            FMT_Q5   as FMT_Q4 (the low 4 bits), plus qh u8 (n, 2, d/8): per group of 32, a
+ *                     little-endian u16 of the even elements' fifth bits, then one of the odd
+ *                     elements' (the nibble planes' order); w = scale*q + min, or scale*(q - 16)
  *            FMT_F16  w f16 (n, 2, d); FMT_F32  w f32 (n, 2, d)
  *   down_t   FMT_Q4   q u8 (n, d/2), scale f16 (n, d/G), min f16 (n, d/G) or none (groups along d)
  *            FMT_Q4R  q u8 (n, d/2), scale f16 (n/G, d), min f16 (n/G, d) or none (groups of
@@ -60,7 +63,8 @@
         }                                                                                       \
     } while (0)
 
-enum { FMT_Q8 = 0, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };    /* as in ffn_down.c */
+enum { FMT_Q8 = 0, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5, FMT_Q5 = 6 };  /* as in ffn_down.c;
+                                                                                    q5: gate/up only */
 enum { MODE_DENSE = 0, MODE_DOWN = 1, MODE_PREDICTED = 2, MODE_RELU = 3, MODE_GIVEN = 4 };
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -102,32 +106,45 @@ static void quantize_x(const float *x, int64_t d, qx_t *o) {
 
 /* -- int4 x int8 row dots -------------------------------------------------------------------- */
 
-/* Dot of one q4 row with the quantized x, before the min term: sum over groups of
-   scale_w[g] * scale_x[g] * sum(q * xq). */
-static float dot_q4_portable(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d) {
+/* q5's fifth bits of group g: the even elements' (bit j: element 2j) and the odd ones'. */
+static inline uint32_t fifth_bits(const uint8_t *qh, int64_t g) {
+    uint32_t w;
+    memcpy(&w, qh + 4 * g, 4);
+    return w;
+}
+
+/* The weight of a min-less row at q = 0: -8 * scale for q4, -16 * scale for q5 (qh not NULL). */
+#define NO_MIN(qh) ((qh) ? -16.0f : -8.0f)
+
+/* Dot of one q4 row (q5 with its fifth bits qh, else NULL) with the quantized x, before the min
+   term: sum over groups of scale_w[g] * scale_x[g] * sum(q * xq). */
+static float dot_q4_portable(const uint8_t *q, const uint8_t *qh, const uint16_t *scale, const uint16_t *min,
+                             const qx_t *x, int64_t d) {
     const int64_t ng = d / G;
     float acc = 0.0f;
     for (int64_t g = 0; g < ng; g++) {
         int32_t s = 0;
+        const uint32_t h = qh ? fifth_bits(qh, g) : 0;
         for (int64_t k = 0; k < 16; k++) {
             const uint8_t b = q[g * 16 + k];
-            s += (b & 15) * x->q[chunk_pos(g, 2 * k, ng)] + (b >> 4) * x->q[chunk_pos(g, 2 * k + 1, ng)];
+            const int lo = (b & 15) | (int)((h >> k) & 1) << 4, hi = (b >> 4) | (int)((h >> (16 + k)) & 1) << 4;
+            s += lo * x->q[chunk_pos(g, 2 * k, ng)] + hi * x->q[chunk_pos(g, 2 * k + 1, ng)];
         }
         acc += HALF(((const half_t *)scale)[g]) * x->scale[g] * (float)s;
     }
-    /* the min term: sum over groups of min * scale_x * sum(xq); without min, min = -8 * scale */
+    /* the min term: sum over groups of min * scale_x * sum(xq); without min, min = NO_MIN * scale */
     const half_t *mn = (const half_t *)(min ? min : scale);
     float m = 0.0f;
     for (int64_t g = 0; g < ng; g++) m += HALF(mn[g]) * x->sum[g];
-    return acc + (min ? 1.0f : -8.0f) * m;
+    return acc + (min ? 1.0f : NO_MIN(qh)) * m;
 }
 
 #ifdef PINFER_X86
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c")))
-static float dot_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d,
-                           const uint8_t *next) {
+static float dot_q4_avx512(const uint8_t *q, const uint8_t *qh, const uint16_t *scale, const uint16_t *min,
+                           const qx_t *x, int64_t d, const uint8_t *next) {
     const int64_t ng = d / G;
-    const __m512i low4 = _mm512_set1_epi8(15);
+    const __m512i low4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g += 4) {
@@ -137,15 +154,26 @@ static float dot_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16
         const __m512i v = _mm512_maskz_loadu_epi8(m, q + g * 16);
         const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + g * G);
         const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + g * G + 16 * k);
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, low4), xe);
-        s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), xo);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (qh) {   /* the fifth bits: a byte mask per nibble plane, 16 bits per group */
+            uint64_t me = 0, mo = 0;
+            for (int64_t i = 0; i < k; i++) {
+                const uint32_t h = fifth_bits(qh, g + i);
+                me |= (uint64_t)(h & 0xffff) << (16 * i);
+                mo |= (uint64_t)(h >> 16) << (16 * i);
+            }
+            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(me, sixteen));
+            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mo, sixteen));
+        }
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe);
+        s = _mm512_dpbusd_epi32(s, hi, xo);
         const __mmask16 m4 = (__mmask16)((1u << (4 * k)) - 1);
         const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_castsi128_si256(
             _mm_maskz_loadu_epi16((__mmask8)((1u << k) - 1), scale + g))));
         const __m512 f = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(m4, x->lanes + 4 * g));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc);
     }
-    /* the min term: sum over groups of min * scale_x * sum(xq); without min, min = -8 * scale */
+    /* the min term: sum over groups of min * scale_x * sum(xq); without min, min = NO_MIN * scale */
     const uint16_t *mn = min ? min : scale;
     __m512 macc = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g += 16) {
@@ -153,7 +181,7 @@ static float dot_q4_avx512(const uint8_t *q, const uint16_t *scale, const uint16
         macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mn + g)),
                                _mm512_maskz_loadu_ps(m, x->sum + g), macc);
     }
-    return _mm512_reduce_add_ps(acc) + (min ? 1.0f : -8.0f) * _mm512_reduce_add_ps(macc);
+    return _mm512_reduce_add_ps(acc) + (min ? 1.0f : NO_MIN(qh)) * _mm512_reduce_add_ps(macc);
 }
 
 /* Four q4 rows (q, scale, min advancing by the strides qs and ss per row) against one x in one
@@ -202,8 +230,18 @@ static void dot4_q4_avx512(const uint8_t *q, int64_t qs, const uint16_t *scale, 
     }
 }
 
+/* 0x10 in byte j where bit j of m is set (the fifth bits of two groups' nibble plane). */
+__attribute__((target("avx2")))
+static inline __m256i sixteens_avx2(uint32_t m) {
+    const __m256i pick = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), pick), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+
 __attribute__((target("avx2,fma,f16c")))
-static float dot_q4_avx2(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d) {
+static float dot_q4_avx2(const uint8_t *q, const uint8_t *qh, const uint16_t *scale, const uint16_t *min,
+                         const qx_t *x, int64_t d) {
     const int64_t ng = d / G;
     const __m128i low4 = _mm_set1_epi8(15);
     const __m256i ones = _mm256_set1_epi16(1);
@@ -215,8 +253,13 @@ static float dot_q4_avx2(const uint8_t *q, const uint16_t *scale, const uint16_t
             const __m128i v = _mm_loadu_si128((const __m128i *)(q + g * 16));
             const __m128i xe = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * i));
             const __m128i xo = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * k + 16 * i));
-            const __m128i p = _mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(v, low4), xe),
-                                            _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low4), xo));
+            __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+            if (qh) {
+                const __m256i h = sixteens_avx2(fifth_bits(qh, g));   /* evens in the low half */
+                lo = _mm_or_si128(lo, _mm256_castsi256_si128(h));
+                hi = _mm_or_si128(hi, _mm256_extracti128_si256(h, 1));
+            }
+            const __m128i p = _mm_add_epi16(_mm_maddubs_epi16(lo, xe), _mm_maddubs_epi16(hi, xo));
             const __m128i s = _mm_madd_epi16(p, _mm_set1_epi16(1));
             const float f = HALF(((const half_t *)scale)[g]) * x->scale[g];
             acc = _mm256_add_ps(acc, _mm256_insertf128_ps(_mm256_setzero_ps(),
@@ -228,8 +271,13 @@ static float dot_q4_avx2(const uint8_t *q, const uint16_t *scale, const uint16_t
         const __m256i xe = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * i));
         const __m256i xo = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * k + 16 * i));
         const __m256i l4 = _mm256_set_m128i(low4, low4);
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, l4), xe),
-                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), l4), xo));
+        __m256i lo = _mm256_and_si256(v, l4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), l4);
+        if (qh) {
+            const uint32_t h0 = fifth_bits(qh, g), h1 = fifth_bits(qh, g + 1);
+            lo = _mm256_or_si256(lo, sixteens_avx2((h0 & 0xffff) | h1 << 16));
+            hi = _mm256_or_si256(hi, sixteens_avx2(h0 >> 16 | (h1 & 0xffff0000u)));
+        }
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
         const __m256i s = _mm256_madd_epi16(p, ones); /* lanes 0-3: group g, 4-7: group g+1 */
         const float f0 = HALF(((const half_t *)scale)[g]) * x->scale[g];
         const float f1 = HALF(((const half_t *)scale)[g + 1]) * x->scale[g + 1];
@@ -241,12 +289,12 @@ static float dot_q4_avx2(const uint8_t *q, const uint16_t *scale, const uint16_t
     for (; g + 8 <= ng; g += 8)
         macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g))),
                                _mm256_loadu_ps(x->sum + g), macc);
-    acc = _mm256_fmadd_ps(macc, _mm256_set1_ps(min ? 1.0f : -8.0f), acc);
+    acc = _mm256_fmadd_ps(macc, _mm256_set1_ps(min ? 1.0f : NO_MIN(qh)), acc);
     float tail = 0.0f;
     for (; g < ng; g++) tail += HALF(((const half_t *)mn)[g]) * x->sum[g];
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + (min ? 1.0f : -8.0f) * tail;
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + (min ? 1.0f : NO_MIN(qh)) * tail;
 }
 #endif
 
@@ -274,13 +322,13 @@ int pinfer_sparse_isa(int want) {
 
 /* `next`: a row of as many bytes to prefetch while this one is read (the next candidate's: a
    gather's rows are short streams the hardware prefetcher does not follow in time), or NULL. */
-static float dot_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *min, const qx_t *x, int64_t d,
-                    const uint8_t *next) {
+static float dot_q4(const uint8_t *q, const uint8_t *qh, const uint16_t *scale, const uint16_t *min, const qx_t *x,
+                    int64_t d, const uint8_t *next) {
 #ifdef PINFER_X86
-    if (isa == ISA_AVX512) return dot_q4_avx512(q, scale, min, x, d, next);
-    if (isa == ISA_AVX2) return dot_q4_avx2(q, scale, min, x, d);
+    if (isa == ISA_AVX512) return dot_q4_avx512(q, qh, scale, min, x, d, next);
+    if (isa == ISA_AVX2) return dot_q4_avx2(q, qh, scale, min, x, d);
 #endif
-    return dot_q4_portable(q, scale, min, x, d);
+    return dot_q4_portable(q, qh, scale, min, x, d);
 }
 
 #ifdef PINFER_X86
@@ -354,6 +402,7 @@ typedef struct {
     int gu_fmt, down_fmt, act;
     const void *gu_q;             /* q bytes, or the f16 weights */
     const uint16_t *gu_scale, *gu_min;
+    const uint8_t *gu_qh;         /* FMT_Q5's fifth bits, else NULL */
     const void *dn_q;
     const uint16_t *dn_scale, *dn_min;
     int64_t d;
@@ -406,9 +455,10 @@ static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, i
         const int64_t ng = d / G;
         const uint16_t *sc = f->gu_scale + j * 2 * ng, *mn = f->gu_min ? f->gu_min + j * 2 * ng : NULL;
         const uint8_t *pf = next >= 0 ? (const uint8_t *)f->gu_q + next * d : NULL;
-        g = dot_q4(q, sc, mn, qx, d, pf);
+        const uint8_t *qh = f->gu_fmt == FMT_Q5 ? f->gu_qh + j * (d / 4) : NULL;  /* 2 rows of d/8 bytes */
+        g = dot_q4(q, qh, sc, mn, qx, d, pf);
         if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
-        u = dot_q4(q + d / 2, sc + ng, mn ? mn + ng : NULL, qx, d, pf ? pf + d / 2 : NULL);
+        u = dot_q4(q + d / 2, qh ? qh + d / 8 : NULL, sc + ng, mn ? mn + ng : NULL, qx, d, pf ? pf + d / 2 : NULL);
     }
     return rule(f->act, g, u, mode, thr);
 }
@@ -729,7 +779,7 @@ static int down_rows(const rows_t *wd, const int32_t *idx, const float *val, int
     }
 #endif
     FOR_THREADS(t, i, d, {
-        y[i] = dot_q4(wd->q + i * (n / 2), wd->scale + i * ng, wd->min ? wd->min + i * ng : NULL, &qh, n, NULL);
+        y[i] = dot_q4(wd->q + i * (n / 2), NULL, wd->scale + i * ng, wd->min ? wd->min + i * ng : NULL, &qh, n, NULL);
     });
     free(buf);
     return 0;
@@ -743,20 +793,20 @@ static int down_rows(const rows_t *wd, const int32_t *idx, const float *val, int
  *   counts    out: [candidates, survivors]
  * Returns 0, or -1 when a size is unsupported. */
 static int ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint16_t *gu_scale,
-                     const uint16_t *gu_min, int down_fmt, const void *dn_q, const uint16_t *dn_scale,
+                     const uint16_t *gu_min, const uint8_t *gu_qh, int down_fmt, const void *dn_q, const uint16_t *dn_scale,
                      const uint16_t *dn_min, const uint8_t *w1q, const uint16_t *w1s, const uint8_t *w2q,
                      const uint16_t *w2s, const float *b2, int64_t r, float thr, float pred_thr,
                      const float *x, float *y, int64_t n, int64_t d, int32_t *idx, float *val,
                      int64_t *counts, int threads, const rows_t *wd) {
     if (d % G || n % G || d > MAX_D || r % G) return -1;
     if (isa < 0) pinfer_sparse_isa(-1);
-    const ffn_t f = {gu_fmt, down_fmt, act, gu_q, gu_scale, gu_min, dn_q, dn_scale, dn_min, d};
+    const ffn_t f = {gu_fmt, down_fmt, act, gu_q, gu_scale, gu_min, gu_qh, dn_q, dn_scale, dn_min, d};
     /* quantized x: d bytes, then d/G scales, d/8 lane scales, d/G sums */
     float *buf = malloc((size_t)d + (size_t)(d / G * 2 + d / 8) * sizeof(float) + (size_t)r * sizeof(float));
     if (!buf) return -1;
     qx_t qx = {(int8_t *)(buf + d / G * 2 + d / 8 + r), buf, buf + d / G, buf + d / G + d / 8};
     float *z = buf + d / G * 2 + d / 8;     /* (r) predictor hidden */
-    if (gu_fmt == FMT_Q4) quantize_x(x, d, &qx);
+    if (gu_fmt == FMT_Q4 || gu_fmt == FMT_Q5) quantize_x(x, d, &qx);
 
     /* candidates */
     int64_t m = 0;
@@ -819,6 +869,7 @@ typedef struct {
     int mode, act, gu_fmt, down_fmt;
     const void *gu_q;
     const uint16_t *gu_scale, *gu_min;
+    const uint8_t *gu_qh;
     const void *dn_q;
     const uint16_t *dn_scale, *dn_min;
     const uint8_t *w1q;
@@ -840,7 +891,7 @@ typedef struct {
 
 int pinfer_ffn_call(const ffn_call_t *a) {
     if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
-    return ffn_token(a->mode, a->act, a->gu_fmt, a->gu_q, a->gu_scale, a->gu_min, a->down_fmt, a->dn_q,
+    return ffn_token(a->mode, a->act, a->gu_fmt, a->gu_q, a->gu_scale, a->gu_min, a->gu_qh, a->down_fmt, a->dn_q,
                      a->dn_scale, a->dn_min, a->w1q, a->w1s, a->w2q, a->w2s, a->b2, a->r, a->thr,
                      a->pred_thr, a->x, a->y, a->n, a->d, a->idx, a->val, a->counts, a->threads, &a->wd);
 }
@@ -861,8 +912,8 @@ int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
     if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
     if (d % G || n % G || d > MAX_D || r % G || nt < 1 || nt > MAX_BATCH) return -1;
     if (isa < 0) pinfer_sparse_isa(-1);
-    const ffn_t f = {a->gu_fmt, a->down_fmt, a->act, a->gu_q, a->gu_scale, a->gu_min, a->dn_q, a->dn_scale,
-                     a->dn_min, d};
+    const ffn_t f = {a->gu_fmt, a->down_fmt, a->act, a->gu_q, a->gu_scale, a->gu_min, a->gu_qh, a->dn_q,
+                     a->dn_scale, a->dn_min, d};
     const int threads = a->threads;
     /* per token: quantized x (and later h), predictor hidden; h of every token over all neurons;
        which tokens compute each neuron */
@@ -879,7 +930,7 @@ int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
     for (int64_t t = 0; t < nt; t++) {
         float *fl = (float *)(qmem + t * qbytes);
         qx[t] = (qx_t){(int8_t *)(fl + qn / G * 2 + qn / 8), fl, fl + qn / G, fl + qn / G + qn / 8};
-        if (f.gu_fmt == FMT_Q4) quantize_x(a->x + t * d, d, &qx[t]);
+        if (f.gu_fmt == FMT_Q4 || f.gu_fmt == FMT_Q5) quantize_x(a->x + t * d, d, &qx[t]);
     }
 
     /* candidates, per token; the predictor's rows meet every token while in cache */
@@ -983,7 +1034,7 @@ int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
             FOR_THREADS(t_rows, i, d, {
                 for (uint64_t bits = by_rows; bits; bits &= bits - 1) {
                     const int64_t t = __builtin_ctzll(bits);
-                    a->y[t * d + i] = dot_q4(wd->q + i * (n / 2), wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL,
+                    a->y[t * d + i] = dot_q4(wd->q + i * (n / 2), NULL, wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL,
                                              &qx[t], n, NULL);
                 }
             });

@@ -6,6 +6,8 @@
  *   gate_up  FMT_Q4   q u8 (k, 2, d/2), scale f16 (k, 2, d/G), min f16 (k, 2, d/G) or null;
  *                     row 2j is neuron j's gate row, 2j+1 its up row; element 2b is the low nibble
  *                     of byte b, 2b+1 the high one; w = scale*q + min, or scale*(q - 8)
+ *            FMT_Q5   as FMT_Q4 (the low 4 bits), plus qh u8 (k, 2, d/8) (formats/schema.py);
+ *                     w = scale*q + min, or scale*(q - 16)
  *            FMT_F16  w f16 (k, 2, d); FMT_F32 w f32 (k, 2, d)
  *   down_t   FMT_Q4   q u8 (k, d/2), scale f16 (k, d/G), min or null   (groups along d)
  *            FMT_Q4R  q u8 (k, d/2), scale f16 (k/G, d), min or null   (groups of 32 neurons)
@@ -37,7 +39,7 @@ typedef unsigned short f16;
 #define G 32
 #define AXPY_CHUNK 32
 
-enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };   /* pinfer/kernels/__init__.py */
+enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5, FMT_Q5 = 6 };   /* pinfer/kernels/__init__.py */
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
 enum { RULE_ALL = 0, RULE_THRESHOLD = 1, RULE_NONZERO = 2 };
 
@@ -98,22 +100,27 @@ extern "C" __global__ void pinfer_quantize_x(const float *x, int d, signed char 
     }
 }
 
-/* one gate or up row of neuron j against x (INT4 rows: against xq, see pinfer_quantize_x); a warp */
-__device__ float row_dot(int fmt, const void *q, const f16 *s, const f16 *m, size_t row, const float *x,
-                         const signed char *xq, const float *xs, const float *xsum, int d, int lane) {
+/* one gate or up row of neuron j against x (INT4/INT5 rows: against xq, see pinfer_quantize_x); a
+   warp. FMT_Q5: h holds the fifth bits, per group a u32 (bit b: element 2b, bit 16 + b: 2b + 1) */
+__device__ float row_dot(int fmt, const void *q, const f16 *s, const f16 *m, const u8 *h, size_t row,
+                         const float *x, const signed char *xq, const float *xs, const float *xsum, int d, int lane) {
     float acc = 0.0f;
-    if (fmt == FMT_Q4) {
+    if (fmt == FMT_Q4 || fmt == FMT_Q5) {
         /* a lane takes 4 bytes: 8 elements of one group, 4 lanes a group; the first adds the min term */
         const unsigned *w = (const unsigned *)((const u8 *)q + row * (d / 2));
+        const unsigned *hr = fmt == FMT_Q5 ? (const unsigned *)(h + row * (d / 8)) : 0;
         const f16 *sr = s + row * (d / G), *mr = m ? m + row * (d / G) : 0;
         for (int t = lane; t < d / 8; t += 32) {
             const unsigned v = w[t];
             const int e = 8 * t, g = e / G;
-            const float sc = h2f(sr[g]), mn = mr ? h2f(mr[g]) : -8.0f * sc;
+            const unsigned hw = hr ? hr[g] : 0u;
+            const float sc = h2f(sr[g]), mn = mr ? h2f(mr[g]) : (hr ? -16.0f : -8.0f) * sc;
             int part = 0;
             for (int i = 0; i < 4; i++) {
-                const unsigned b = (v >> (8 * i)) & 255u;
-                part += (int)(b & 15u) * xq[e + 2 * i] + (int)(b >> 4) * xq[e + 2 * i + 1];
+                const unsigned b = (v >> (8 * i)) & 255u, k = (unsigned)(e % G) / 2 + i;   /* byte k of the group */
+                const int lo = (int)(b & 15u) | (int)((hw >> k) & 1u) << 4;
+                const int hi = (int)(b >> 4) | (int)((hw >> (16 + k)) & 1u) << 4;
+                part += lo * xq[e + 2 * i] + hi * xq[e + 2 * i + 1];
             }
             acc += sc * xs[g] * (float)part + (e % G == 0 ? mn * xsum[g] : 0.0f);
         }
@@ -131,14 +138,15 @@ __device__ float row_dot(int fmt, const void *q, const f16 *s, const f16 *m, siz
 }
 
 /* gu[j] = (gate_j . x, up_j . x) for the *count candidates; a warp each */
-extern "C" __global__ void pinfer_gate_up(int fmt, const void *q, const f16 *s, const f16 *m, const float *x,
+extern "C" __global__ void pinfer_gate_up(int fmt, const void *q, const f16 *s, const f16 *m, const u8 *h,
+                                          const float *x,
                                           const signed char *xq, const float *xs, const float *xsum,
                                           const int *cand, const int *count, int d, float *gu) {
     const int w = global_warp(), lane = threadIdx.x & 31;
     if (w >= *count) return;
     const int j = cand[w];
-    const float g = row_dot(fmt, q, s, m, 2 * (size_t)j, x, xq, xs, xsum, d, lane);
-    const float u = row_dot(fmt, q, s, m, 2 * (size_t)j + 1, x, xq, xs, xsum, d, lane);
+    const float g = row_dot(fmt, q, s, m, h, 2 * (size_t)j, x, xq, xs, xsum, d, lane);
+    const float u = row_dot(fmt, q, s, m, h, 2 * (size_t)j + 1, x, xq, xs, xsum, d, lane);
     if (lane == 0) {
         gu[2 * j] = g;
         gu[2 * j + 1] = u;
