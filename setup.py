@@ -6,10 +6,11 @@ setup(
     ext_modules=[
         Extension(
             "pinfer.kernels._kernels",
-            sources=["pinfer/kernels/csrc/ffn_down.c", "pinfer/kernels/csrc/ffn_sparse.c"],
-            depends=["pinfer/kernels/csrc/half.h"],
-            extra_compile_args=["-O3", "-fopenmp", "-std=c11", "-fno-math-errno"],
-            extra_link_args=["-fopenmp"],
+            sources=["pinfer/kernels/csrc/ffn_down.c", "pinfer/kernels/csrc/ffn_sparse.c",
+                     "pinfer/kernels/csrc/pool.c"],
+            depends=["pinfer/kernels/csrc/half.h", "pinfer/kernels/csrc/pool.h"],
+            extra_compile_args=["-O3", "-pthread", "-std=c11", "-fno-math-errno"],
+            extra_link_args=["-pthread"],
         )
     ]
 )

@@ -86,13 +86,59 @@ def test_matmul_down_refuses_formats_without_groups_along_n():
 
 
 def test_importing_pinfer_leaves_the_environment_as_it_was():
-    """Children (llama.cpp in the benchmarks) inherit the environment: pinfer must not change it,
-    though libgomp is loaded with the passive wait policy."""
+    """Children (llama.cpp in the benchmarks) inherit the environment: pinfer must not change it. The
+    kernels run on their own thread pool (csrc/pool.c), so no OpenMP runtime is loaded, whose
+    settings could only be made through the environment."""
     import subprocess
     import sys
-    # sparse_isa() loads the C library (and libgomp with it): the one moment the variable is set
-    code = ("import os; before = dict(os.environ); import pinfer.kernels, pinfer.runtime.model, pinfer.cli.main; "
-            "pinfer.kernels.sparse_isa(); "
-            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    code = ("import os; before = dict(os.environ); import numpy as np, pinfer.kernels as k, pinfer.runtime.model, "
+            "pinfer.cli.main; k.sparse_isa(); "
+            "h, y, w = np.ones((1, 64), np.float32), np.empty((1, 96), np.float32), np.ones((64, 96), np.float32); "
+            "k.DownProjection('f32', {'w': w}, 2, 64, 96).bind(h, y)(); assert (y == 64).all(); "
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
+            "assert 'libgomp' not in open('/proc/self/maps').read()")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_thread_pool_serves_concurrent_callers_and_forked_children():
+    """ctypes releases the GIL, so Python threads (the server's) may call the kernels at once: each
+    call takes the pool in turn and gets its own result, the bits of a one-thread call (every output
+    element is one thread's sum in a fixed order). A child forked after the pool started has none
+    of its workers; its first call on two threads starts its own instead of waiting on the parent's
+    (the child is a process with a time limit, so a hang fails the test)."""
+    import subprocess
+    import sys
+    import threading
+    n, d = 256, 2048
+    f, parts, _ = down_weights("q4r", n, d)
+    hs = [RNG.standard_normal((3, n)).astype(np.float32) for _ in range(4)]
+    want = []
+    for h in hs:
+        y = np.empty((3, d), np.float32)
+        DownProjection(f, parts, 1, n, d).bind(h, y)()
+        want.append(y)
+    errors = []
+
+    def caller(i):
+        y = np.empty((3, d), np.float32)
+        run = DownProjection(f, parts, 2, n, d).bind(hs[i], y)
+        for _ in range(200):
+            y[:] = np.nan
+            run()
+            if not np.array_equal(y, want[i]):
+                errors.append(i)
+                return
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    code = ("import os, numpy as np, pinfer.kernels as k\n"
+            "w = np.ones((64, 96), np.float32); h = np.ones((1, 64), np.float32); y = np.zeros((1, 96), np.float32)\n"
+            "k.DownProjection('f32', {'w': w}, 2, 64, 96).bind(h, y)()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    y[:] = 0; k.DownProjection('f32', {'w': w}, 2, 64, 96).bind(h, y)(); os._exit(0 if (y == 64).all() else 3)\n"
+            "_, status = os.waitpid(pid, 0); assert os.waitstatus_to_exitcode(status) == 0, status\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

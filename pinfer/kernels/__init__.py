@@ -5,7 +5,6 @@ layouts)."""
 
 import ctypes
 import importlib.util
-import os
 
 import numpy as np
 
@@ -16,18 +15,7 @@ def _load():
     spec = importlib.util.find_spec("pinfer.kernels._kernels")
     if spec is None or spec.origin is None:
         raise ImportError("pinfer's C kernels are not built; reinstall with `pip install -e .`")
-    # Kernels run between ONNX Runtime calls on the same cores: idle OpenMP threads must sleep,
-    # not spin against ONNX Runtime's pool. OpenMP has no call for its wait policy: libgomp reads
-    # OMP_WAIT_POLICY once, as it loads with this library. It is set for that moment only (unless
-    # the user set it) and the environment restored at once, so no child process inherits it.
-    own = "OMP_WAIT_POLICY" not in os.environ
-    if own:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    finally:
-        if own:
-            del os.environ["OMP_WAIT_POLICY"]
+    lib = ctypes.CDLL(spec.origin)
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pinfer_down.argtypes = [c_int, p, p, p, p, p, i64, i64, i64, c_int]
     lib.pinfer_down.restype = None
@@ -42,7 +30,7 @@ def _load():
 
 class _Library:
     """The C library, loaded on first use: importing pinfer.kernels (as planning and the GPU
-    code do) needs neither the compiled extension nor libgomp."""
+    code do) needs no compiled extension."""
 
     def __getattr__(self, name):
         lib = _load()

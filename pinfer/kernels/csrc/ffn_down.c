@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "half.h"
+#include "pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -225,6 +226,24 @@ static void down_unit(const weights_t *w, const float *h, float *y, int64_t nt, 
     }
 }
 
+typedef struct {
+    const weights_t *w;
+    const float *h;
+    float *y;
+    int64_t S, cols, n_col;
+} units_t;
+
+/* Work units [u0, u1): unit u is token tile u / n_col, column chunk u % n_col. */
+static void down_units(void *p, int64_t u0, int64_t u1) {
+    const units_t *a = p;
+    const int64_t n = a->w->n, d = a->w->d;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t t0 = (u / a->n_col) * TOK_TILE, c0 = (u % a->n_col) * a->cols;
+        const int64_t nt = a->S - t0 < TOK_TILE ? a->S - t0 : TOK_TILE, nc = d - c0 < a->cols ? d - c0 : a->cols;
+        down_unit(a->w, a->h + t0 * n, a->y + t0 * d, nt, c0, nc);
+    }
+}
+
 void pinfer_down(int fmt, const void *q, const uint16_t *scale, const uint16_t *min, const float *h, float *y,
                  int64_t S, int64_t n, int64_t d, int threads) {
     weights_t w = {fmt, q, scale, min, n, d};
@@ -233,12 +252,10 @@ void pinfer_down(int fmt, const void *q, const uint16_t *scale, const uint16_t *
     const int64_t cw = S == 1 && threads > 1 ? ((d / threads + G - 1) / G) * G : chunk;
     const int64_t cols = cw < chunk ? cw : chunk;
     const int64_t n_col = (d + cols - 1) / cols, n_tok = (S + TOK_TILE - 1) / TOK_TILE;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t u = 0; u < n_col * n_tok; u++) {
-        const int64_t t0 = (u / n_col) * TOK_TILE, c0 = (u % n_col) * cols;
-        const int64_t nt = S - t0 < TOK_TILE ? S - t0 : TOK_TILE, nc = d - c0 < cols ? d - c0 : cols;
-        down_unit(&w, h + t0 * n, y + t0 * d, nt, c0, nc);
-    }
+    units_t units = {&w, h, y, S, cols, n_col};
+    const int t = pinfer_pool_enter(threads);
+    pinfer_parallel(t, n_col * n_tok, down_units, &units);
+    pinfer_pool_leave(threads);
 }
 
 /* Lets setuptools build this file as an extension module; pinfer loads it with ctypes. */

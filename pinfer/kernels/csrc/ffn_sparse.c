@@ -36,6 +36,8 @@
 #include <string.h>
 
 #include "half.h"
+#include "pool.h"
+#include <stdatomic.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -50,18 +52,6 @@
 #define G 32
 #define MAX_D 65536
 #define PARALLEL_WORK (1 << 20)
-
-/* for (k = 0; k < n; k++) body, on `threads` OpenMP threads; one thread runs it inline (an
-   OpenMP region with if(0) still costs microseconds, as much as a small layer's FFN). */
-#define FOR_THREADS(threads, k, n, ...)                                                         \
-    do {                                                                                        \
-        if ((threads) > 1) {                                                                    \
-            _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
-            for (int64_t k = 0; k < (n); k++) __VA_ARGS__                                       \
-        } else {                                                                                \
-            for (int64_t k = 0; k < (n); k++) __VA_ARGS__                                       \
-        }                                                                                       \
-    } while (0)
 
 enum { FMT_Q8 = 0, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5, FMT_Q5 = 6 };  /* as in ffn_down.c;
                                                                                     q5: gate/up only */
@@ -753,118 +743,13 @@ typedef struct {
     int64_t from;               /* survivors from which the row dots run */
 } rows_t;
 
-/* y = W_down h, h zero but for the survivors, quantized to int8 per group of 32 neurons (as x is
-   for the gate/up rows, and as MatMulNBits does). Each y[i] is one thread's dot, so the result
-   does not depend on the thread count. */
-static int down_rows(const rows_t *wd, const int32_t *idx, const float *val, int64_t s, float *y, int64_t n,
-                     int64_t d, int threads) {
-    const int64_t ng = n / G;
-    float *buf = malloc((size_t)n * sizeof(float) + (size_t)n + (size_t)(ng * 2 + n / 8) * sizeof(float));
-    if (!buf) return -1;
-    float *h = buf;
-    memset(h, 0, (size_t)n * sizeof(float));
-    for (int64_t k = 0; k < s; k++) h[idx[k]] = val[k];
-    qx_t qh = {(int8_t *)(buf + n + ng * 2 + n / 8), buf + n, buf + n + ng, buf + n + ng + n / 8};
-    const int t = n * d >= PARALLEL_WORK ? threads : 1;
-    quantize_x(h, n, &qh);
-#ifdef PINFER_X86
-    if (isa == ISA_AVX512) {    /* four rows a pass share the loads of h (d is a multiple of 32) */
-        FOR_THREADS(t, b, d / 4, {
-            const int64_t i = 4 * b;
-            dot4_q4_avx512(wd->q + i * (n / 2), n / 2, wd->scale + i * ng, wd->min ? wd->min + i * ng : NULL, ng,
-                           &qh, n, y + i, i + 4 < d ? wd->q + (i + 4) * (n / 2) : NULL);
-        });
-        free(buf);
-        return 0;
-    }
-#endif
-    FOR_THREADS(t, i, d, {
-        y[i] = dot_q4(wd->q + i * (n / 2), NULL, wd->scale + i * ng, wd->min ? wd->min + i * ng : NULL, &qh, n, NULL);
-    });
-    free(buf);
-    return 0;
-}
-
-/* One token's FFN: y = down(rule(act(gate) * up)) over the neurons the mode computes.
+/* A call's arguments in one struct, bound once by the caller: a call through ctypes then costs
+   one pointer instead of 27 conversions.
  *   mode      MODE_DENSE: every neuron, no rule; MODE_DOWN: every neuron, |h| >= thr;
  *             MODE_PREDICTED: the predictor's candidates (score >= pred_thr), |h| >= thr;
  *             MODE_RELU: the predictor's candidates, h != 0
  *             MODE_GIVEN: the counts[0] candidates the caller put in idx (ascending), |h| >= thr
- *   counts    out: [candidates, survivors]
- * Returns 0, or -1 when a size is unsupported. */
-static int ffn_token(int mode, int act, int gu_fmt, const void *gu_q, const uint16_t *gu_scale,
-                     const uint16_t *gu_min, const uint8_t *gu_qh, int down_fmt, const void *dn_q, const uint16_t *dn_scale,
-                     const uint16_t *dn_min, const uint8_t *w1q, const uint16_t *w1s, const uint8_t *w2q,
-                     const uint16_t *w2s, const float *b2, int64_t r, float thr, float pred_thr,
-                     const float *x, float *y, int64_t n, int64_t d, int32_t *idx, float *val,
-                     int64_t *counts, int threads, const rows_t *wd) {
-    if (d % G || n % G || d > MAX_D || r % G) return -1;
-    if (isa < 0) pinfer_sparse_isa(-1);
-    const ffn_t f = {gu_fmt, down_fmt, act, gu_q, gu_scale, gu_min, gu_qh, dn_q, dn_scale, dn_min, d};
-    /* quantized x: d bytes, then d/G scales, d/8 lane scales, d/G sums */
-    float *buf = malloc((size_t)d + (size_t)(d / G * 2 + d / 8) * sizeof(float) + (size_t)r * sizeof(float));
-    if (!buf) return -1;
-    qx_t qx = {(int8_t *)(buf + d / G * 2 + d / 8 + r), buf, buf + d / G, buf + d / G + d / 8};
-    float *z = buf + d / G * 2 + d / 8;     /* (r) predictor hidden */
-    if (gu_fmt == FMT_Q4 || gu_fmt == FMT_Q5) quantize_x(x, d, &qx);
-
-    /* candidates */
-    int64_t m = 0;
-    if (mode == MODE_PREDICTED || mode == MODE_RELU) {
-        float *score = val; /* scratch until the survivors overwrite it */
-        FOR_THREADS(threads, k, r, {
-            const float v = dot_q8(w1q + k * d, w1s + k * (d / G), x, d);
-            z[k] = v > 0.0f ? v : 0.0f;
-        });
-        FOR_THREADS(threads, j, n, { score[j] = dot_q8(w2q + j * r, w2s + j * (r / G), z, r) + b2[j]; });
-        for (int64_t j = 0; j < n; j++)
-            if (score[j] >= pred_thr) idx[m++] = (int32_t)j;
-    } else if (mode == MODE_GIVEN) {
-        m = counts[0] < n ? counts[0] : n;
-    } else {
-        for (int64_t j = 0; j < n; j++) idx[j] = (int32_t)j;
-        m = n;
-    }
-    counts[0] = m;
-
-    /* gate/up and the rule, then compaction in ascending order */
-    /* waking a thread costs tens of microseconds: below ~1M weights a pass runs on one */
-    const int t_gu = m * d >= PARALLEL_WORK ? threads : 1;
-    FOR_THREADS(t_gu, k, m, { val[k] = neuron(&f, idx[k], x, &qx, mode, thr, prefetch_row(idx, k, m)); });
-    int64_t s = 0;
-    for (int64_t k = 0; k < m; k++)
-        if (val[k] != 0.0f) {
-            idx[s] = idx[k];
-            val[s++] = val[k];
-        }
-    counts[1] = s;
-
-    if (wd->q && s >= wd->from) {
-        const int rc = down_rows(wd, idx, val, s, y, n, d, threads);
-        free(buf);
-        return rc;
-    }
-
-    /* down: column chunks of whole groups, one thread each */
-    const int t_dn = s * d >= PARALLEL_WORK ? threads : 1;
-    const int64_t ng = d / G, per = (ng + t_dn - 1) / t_dn;
-    FOR_THREADS(t_dn, t, t_dn, {
-        const int64_t g0 = t * per, g1 = g0 + per < ng ? g0 + per : ng;
-        if (g0 < g1) {
-            const int64_t nc = (g1 - g0) * G;
-            float *scratch = malloc((size_t)(2 * nc + nc / G + AXPY_ROWS * (MAX_D / G)) * sizeof(float));
-            if (scratch)
-                down_cols(&f, idx, val, s, y, g0 * G, g1 * G, scratch, scratch + 2 * nc, scratch + nc,
-                          (float (*)[MAX_D / G])(scratch + 2 * nc + nc / G));
-            else memset(y + g0 * G, 0xff, (size_t)nc * sizeof(float));  /* NaN: never silently wrong */
-        }
-    });
-    free(buf);
-    return 0;
-}
-
-/* The same call with its arguments in one struct, bound once by the caller: a call through ctypes
-   then costs one pointer instead of 26 conversions. */
+ *   counts    out: [candidates, survivors] */
 typedef struct {
     int mode, act, gu_fmt, down_fmt;
     const void *gu_q;
@@ -889,11 +774,206 @@ typedef struct {
     rows_t wd;
 } ffn_call_t;
 
+/* What the parallel loops of one call share: each loop is a function over a range of its index
+   (pool.h), and every output element is one range's, so no result depends on the threads. */
+typedef struct {
+    const ffn_call_t *a;
+    const ffn_t *f;
+    int64_t nt;             /* tokens: 1 for a single call */
+    const qx_t *qx;         /* per token: x quantized for the gate/up rows, or h for the row dots */
+    float *z, *score;       /* predictor hidden (nt, r) and scores (nt, n) */
+    int64_t m, s;           /* a single call's candidates and survivors */
+    const int32_t *u;       /* a batch's union of candidates (mu of them) and each one's tokens */
+    const uint64_t *who;
+    int64_t mu;
+    float *H;               /* a batch's h (nt, n) */
+    uint64_t tokens;        /* the tokens the row dots or the down columns serve */
+    float *y;               /* row dots: token 0's output, tokens d apart */
+    int64_t per;            /* down columns: groups of 32 columns per range */
+    _Atomic int failed;     /* a range found memory short */
+} work_t;
+
+static void pred_hidden(void *p, int64_t k0, int64_t k1) {
+    work_t *w = p;
+    const ffn_call_t *a = w->a;
+    const int64_t d = a->d, r = a->r;
+    for (int64_t k = k0; k < k1; k++)
+        for (int64_t t = 0; t < w->nt; t++) {
+            const float v = dot_q8(a->w1q + k * d, a->w1s + k * (d / G), a->x + t * d, d);
+            w->z[t * r + k] = v > 0.0f ? v : 0.0f;
+        }
+}
+
+static void pred_scores(void *p, int64_t j0, int64_t j1) {
+    work_t *w = p;
+    const ffn_call_t *a = w->a;
+    const int64_t n = a->n, r = a->r;
+    for (int64_t j = j0; j < j1; j++)
+        for (int64_t t = 0; t < w->nt; t++)
+            w->score[t * n + j] = dot_q8(a->w2q + j * r, a->w2s + j * (r / G), w->z + t * r, r) + a->b2[j];
+}
+
+/* A single call's gate/up and rule: val[k] = h of candidate k. */
+static void gate_up_one(void *p, int64_t k0, int64_t k1) {
+    work_t *w = p;
+    const ffn_call_t *a = w->a;
+    for (int64_t k = k0; k < k1; k++)
+        a->val[k] = neuron(w->f, a->idx[k], a->x, w->qx, a->mode, a->thr, prefetch_row(a->idx, k, w->m));
+}
+
+/* A batch's gate/up and rule over the union: each neuron's rows for every token that computes it. */
+static void gate_up_union(void *p, int64_t k0, int64_t k1) {
+    work_t *w = p;
+    const ffn_call_t *a = w->a;
+    const int64_t n = a->n, d = a->d;
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t j = w->u[k];
+        int64_t next = prefetch_row(w->u, k, w->mu);
+        for (uint64_t bits = w->who[j]; bits; bits &= bits - 1) {
+            const int64_t t = __builtin_ctzll(bits);
+            w->H[t * n + j] = neuron(w->f, j, a->x + t * d, &w->qx[t], a->mode, a->thr, next);
+            next = -1;
+        }
+    }
+}
+
+/* y[i] of each token = row i of W_down . its quantized h; on AVX-512 the index counts blocks of
+   four rows, which share the loads of h (d is a multiple of 32). */
+static void row_dots(void *p, int64_t b0, int64_t b1) {
+    work_t *w = p;
+    const rows_t *wd = &w->a->wd;
+    const int64_t n = w->a->n, d = w->a->d, gn = n / G;
+#ifdef PINFER_X86
+    if (isa == ISA_AVX512) {
+        for (int64_t b = b0; b < b1; b++) {
+            const int64_t i = 4 * b;
+            const uint8_t *next = i + 4 < d ? wd->q + (i + 4) * (n / 2) : NULL;
+            for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
+                const int64_t t = __builtin_ctzll(bits);
+                dot4_q4_avx512(wd->q + i * (n / 2), n / 2, wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL, gn,
+                               &w->qx[t], n, w->y + t * d + i, next);
+                next = NULL;
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t i = b0; i < b1; i++)
+        for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
+            const int64_t t = __builtin_ctzll(bits);
+            w->y[t * d + i] = dot_q4(wd->q + i * (n / 2), NULL, wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL,
+                                     &w->qx[t], n, NULL);
+        }
+}
+
+static void run_row_dots(work_t *w, int threads) {
+    const int64_t d = w->a->d;
+#ifdef PINFER_X86
+    if (isa == ISA_AVX512) {
+        pinfer_parallel(threads, d / 4, row_dots, w);
+        return;
+    }
+#endif
+    pinfer_parallel(threads, d, row_dots, w);
+}
+
+/* y = W_down h for a single call, h zero but for the survivors, quantized to int8 per group of 32
+   neurons (as x is for the gate/up rows, and as MatMulNBits does). */
+static int down_rows(work_t *w, int threads) {
+    const ffn_call_t *a = w->a;
+    const int64_t n = a->n, d = a->d, ng = n / G;
+    float *buf = malloc((size_t)n * sizeof(float) + (size_t)n + (size_t)(ng * 2 + n / 8) * sizeof(float));
+    if (!buf) return -1;
+    float *h = buf;
+    memset(h, 0, (size_t)n * sizeof(float));
+    for (int64_t k = 0; k < w->s; k++) h[a->idx[k]] = a->val[k];
+    qx_t qh = {(int8_t *)(buf + n + ng * 2 + n / 8), buf + n, buf + n + ng, buf + n + ng + n / 8};
+    quantize_x(h, n, &qh);
+    w->qx = &qh;
+    w->tokens = 1;
+    w->y = a->y;
+    run_row_dots(w, n * d >= PARALLEL_WORK ? threads : 1);
+    free(buf);
+    return 0;
+}
+
+/* A single call's down projection: range t is the t-th run of w->per groups of 32 columns. */
+static void down_one(void *p, int64_t t0, int64_t t1) {
+    work_t *w = p;
+    const ffn_call_t *a = w->a;
+    const int64_t ng = a->d / G;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t g0 = t * w->per, g1 = g0 + w->per < ng ? g0 + w->per : ng;
+        if (g0 >= g1) continue;
+        const int64_t nc = (g1 - g0) * G;
+        float *scratch = malloc((size_t)(2 * nc + nc / G + AXPY_ROWS * (MAX_D / G)) * sizeof(float));
+        if (scratch)
+            down_cols(w->f, a->idx, a->val, w->s, a->y, g0 * G, g1 * G, scratch, scratch + 2 * nc, scratch + nc,
+                      (float (*)[MAX_D / G])(scratch + 2 * nc + nc / G));
+        else memset(a->y + g0 * G, 0xff, (size_t)nc * sizeof(float));  /* NaN: never silently wrong */
+        free(scratch);
+    }
+}
+
+/* One token's FFN: y = down(rule(act(gate) * up)) over the neurons the mode computes. Returns 0, or
+   -1 when a size is unsupported. */
+static int ffn_token(const ffn_call_t *a, int threads) {
+    const int64_t n = a->n, d = a->d, r = a->r, mode = a->mode;
+    const ffn_t f = {a->gu_fmt, a->down_fmt, a->act, a->gu_q, a->gu_scale, a->gu_min, a->gu_qh, a->dn_q,
+                     a->dn_scale, a->dn_min, d};
+    /* quantized x: d bytes, then d/G scales, d/8 lane scales, d/G sums */
+    float *buf = malloc((size_t)d + (size_t)(d / G * 2 + d / 8) * sizeof(float) + (size_t)r * sizeof(float));
+    if (!buf) return -1;
+    qx_t qx = {(int8_t *)(buf + d / G * 2 + d / 8 + r), buf, buf + d / G, buf + d / G + d / 8};
+    work_t w = {.a = a, .f = &f, .nt = 1, .qx = &qx, .z = buf + d / G * 2 + d / 8, .score = a->val};
+    if (a->gu_fmt == FMT_Q4 || a->gu_fmt == FMT_Q5) quantize_x(a->x, d, &qx);
+
+    /* candidates (the scores use val as scratch until the survivors overwrite it) */
+    int64_t m = 0;
+    if (mode == MODE_PREDICTED || mode == MODE_RELU) {
+        pinfer_parallel(threads, r, pred_hidden, &w);
+        pinfer_parallel(threads, n, pred_scores, &w);
+        for (int64_t j = 0; j < n; j++)
+            if (w.score[j] >= a->pred_thr) a->idx[m++] = (int32_t)j;
+    } else if (mode == MODE_GIVEN) {
+        m = a->counts[0] < n ? a->counts[0] : n;
+    } else {
+        for (int64_t j = 0; j < n; j++) a->idx[j] = (int32_t)j;
+        m = n;
+    }
+    a->counts[0] = w.m = m;
+
+    /* gate/up and the rule, then compaction in ascending order */
+    /* waking a thread costs tens of microseconds: below ~1M weights a pass runs on one */
+    pinfer_parallel(m * d >= PARALLEL_WORK ? threads : 1, m, gate_up_one, &w);
+    int64_t s = 0;
+    for (int64_t k = 0; k < m; k++)
+        if (a->val[k] != 0.0f) {
+            a->idx[s] = a->idx[k];
+            a->val[s++] = a->val[k];
+        }
+    a->counts[1] = w.s = s;
+
+    int rc = 0;
+    if (a->wd.q && s >= a->wd.from) {
+        rc = down_rows(&w, threads);
+    } else {    /* down: column runs of whole groups, one range each */
+        const int t_dn = s * d >= PARALLEL_WORK ? threads : 1;
+        w.per = (d / G + t_dn - 1) / t_dn;
+        pinfer_parallel(t_dn, t_dn, down_one, &w);
+    }
+    free(buf);
+    return rc;
+}
+
 int pinfer_ffn_call(const ffn_call_t *a) {
     if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
-    return ffn_token(a->mode, a->act, a->gu_fmt, a->gu_q, a->gu_scale, a->gu_min, a->gu_qh, a->down_fmt, a->dn_q,
-                     a->dn_scale, a->dn_min, a->w1q, a->w1s, a->w2q, a->w2s, a->b2, a->r, a->thr,
-                     a->pred_thr, a->x, a->y, a->n, a->d, a->idx, a->val, a->counts, a->threads, &a->wd);
+    if (a->d % G || a->n % G || a->d > MAX_D || a->r % G) return -1;
+    if (isa < 0) pinfer_sparse_isa(-1);
+    const int threads = pinfer_pool_enter(a->threads);
+    const int rc = ffn_token(a, threads);
+    pinfer_pool_leave(a->threads);
+    return rc;
 }
 
 /* -- a batch of tokens (prefill) ------------------------------------------------------------- */
@@ -901,59 +981,61 @@ int pinfer_ffn_call(const ffn_call_t *a) {
 #define MAX_BATCH 64      /* tokens of one batch call: a neuron's tokens are one 64-bit mask */
 #define DOWN_BLOCK 128    /* neurons per block of the batch's down pass (whole q4r groups) */
 
-/* The FFN of nt tokens in one call, each with the result of its own pinfer_ffn_call (the same
- * bits), over the union of their candidates: every weight row any token needs is read once and
- * met by each token that needs it while it is in cache. x, y are (nt, d); idx, val (nt, n) and
- * counts (nt, 2) as a single call's, per token (MODE_GIVEN: each token's candidates in its row of
- * idx, their number in its counts[0]). Returns 0, or -1 when a size is unsupported or memory is
- * short. */
-int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
-    const int64_t n = a->n, d = a->d, r = a->r, ng = d / G, mode = a->mode;
-    if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
-    if (d % G || n % G || d > MAX_D || r % G || nt < 1 || nt > MAX_BATCH) return -1;
-    if (isa < 0) pinfer_sparse_isa(-1);
-    const ffn_t f = {a->gu_fmt, a->down_fmt, a->act, a->gu_q, a->gu_scale, a->gu_min, a->gu_qh, a->dn_q,
-                     a->dn_scale, a->dn_min, d};
-    const int threads = a->threads;
-    /* per token: quantized x (and later h), predictor hidden; h of every token over all neurons;
-       which tokens compute each neuron */
-    const int64_t qbytes = (n > d ? n : d) + (int64_t)sizeof(float) * ((n > d ? n : d) / G * 2 + (n > d ? n : d) / 8);
-    uint8_t *qmem = malloc((size_t)(nt * qbytes));
-    float *z = malloc((size_t)(nt * (r ? r : 1)) * sizeof(float));
-    float *H = calloc((size_t)(nt * n), sizeof(float));
-    uint64_t *who = calloc((size_t)n, sizeof(uint64_t));
-    int32_t *u = malloc((size_t)n * sizeof(int32_t));
-    qx_t *qx = malloc((size_t)nt * sizeof(qx_t));
-    int rc = -1;
-    if (!qmem || !z || !H || !who || !u || !qx) goto done;
-    const int64_t qn = n > d ? n : d;
-    for (int64_t t = 0; t < nt; t++) {
-        float *fl = (float *)(qmem + t * qbytes);
-        qx[t] = (qx_t){(int8_t *)(fl + qn / G * 2 + qn / 8), fl, fl + qn / G, fl + qn / G + qn / 8};
-        if (f.gu_fmt == FMT_Q4 || f.gu_fmt == FMT_Q5) quantize_x(a->x + t * d, d, &qx[t]);
-    }
-
-    /* candidates, per token; the predictor's rows meet every token while in cache */
-    if (mode == MODE_PREDICTED || mode == MODE_RELU) {
-        FOR_THREADS(threads, k, r, {
-            for (int64_t t = 0; t < nt; t++) {
-                const float v = dot_q8(a->w1q + k * d, a->w1s + k * (d / G), a->x + t * d, d);
-                z[t * r + k] = v > 0.0f ? v : 0.0f;
+/* A batch's down projection for the tokens in w->tokens: range th is the th-th run of w->per
+   groups of 32 columns, over blocks of neurons every token passes through. */
+static void down_batch(void *p, int64_t th0, int64_t th1) {
+    work_t *w = p;
+    const ffn_call_t *a = w->a;
+    const int64_t n = a->n, d = a->d, ng = d / G, nt = w->nt;
+    for (int64_t th = th0; th < th1; th++) {
+        const int64_t g0 = th * w->per, g1 = g0 + w->per < ng ? g0 + w->per : ng;
+        if (g0 >= g1) continue;
+        const int64_t nc = (g1 - g0) * G;
+        float *scratch = malloc((size_t)(nt * (nc + nc / G) + nc + AXPY_ROWS * (MAX_D / G)) * sizeof(float));
+        if (!scratch) {
+            atomic_store(&w->failed, 1);
+            continue;
+        }
+        float *acc_p = scratch, *off = acc_p + nt * nc, *acc = off + nt * (nc / G), *ar = acc + nc;
+        int64_t at[MAX_BATCH] = {0};
+        memset(acc_p, 0, (size_t)(nt * (nc + nc / G)) * sizeof(float));
+        for (int64_t b0 = 0; b0 < n; b0 += DOWN_BLOCK) {
+            for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
+                const int64_t t = __builtin_ctzll(bits), s = a->counts[2 * t + 1];
+                const int32_t *idx = a->idx + t * n;
+                int64_t e = at[t];
+                while (e < s && idx[e] < b0 + DOWN_BLOCK) e++;
+                if (e > at[t])
+                    down_cols_acc(w->f, idx + at[t], a->val + t * n + at[t], e - at[t], g0 * G, g1 * G,
+                                  acc_p + t * nc, off + t * (nc / G), acc, (float (*)[MAX_D / G])ar);
+                at[t] = e;
             }
-        });
-        float *score = H;   /* scratch until the gate/up pass */
-        FOR_THREADS(threads, j, n, {
-            for (int64_t t = 0; t < nt; t++)
-                score[t * n + j] = dot_q8(a->w2q + j * r, a->w2s + j * (r / G), z + t * r, r) + a->b2[j];
-        });
+        }
+        for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
+            const int64_t t = __builtin_ctzll(bits);
+            down_cols_finish(w->f, acc_p + t * nc, off + t * (nc / G), a->y + t * d, g0 * G, g1 * G);
+        }
+        free(scratch);
+    }
+}
+
+/* Each token's candidates in its row of idx and their number in its counts[0] (the predictor's
+   rows meet every token while in cache); then the union of them, ascending, in w->u with each
+   neuron's tokens in w->who. */
+static void batch_candidates(const ffn_call_t *a, work_t *w, int threads, int32_t *u, uint64_t *who) {
+    const int64_t n = a->n, nt = w->nt;
+    if (a->mode == MODE_PREDICTED || a->mode == MODE_RELU) {
+        w->score = w->H;    /* scratch until the gate/up pass */
+        pinfer_parallel(threads, a->r, pred_hidden, w);
+        pinfer_parallel(threads, n, pred_scores, w);
         for (int64_t t = 0; t < nt; t++) {
             int64_t m = 0;
             for (int64_t j = 0; j < n; j++)
-                if (score[t * n + j] >= a->pred_thr) a->idx[t * n + m++] = (int32_t)j;
+                if (w->score[t * n + j] >= a->pred_thr) a->idx[t * n + m++] = (int32_t)j;
             a->counts[2 * t] = m;
         }
-        memset(H, 0, (size_t)(nt * n) * sizeof(float));
-    } else if (mode != MODE_GIVEN) {
+        memset(w->H, 0, (size_t)(nt * n) * sizeof(float));
+    } else if (a->mode != MODE_GIVEN) {
         for (int64_t t = 0; t < nt; t++) {
             for (int64_t j = 0; j < n; j++) a->idx[t * n + j] = (int32_t)j;
             a->counts[2 * t] = n;
@@ -967,20 +1049,78 @@ int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
     int64_t mu = 0;
     for (int64_t j = 0; j < n; j++)
         if (who[j]) u[mu++] = (int32_t)j;
+    w->mu = mu;
+    w->u = u;
+    w->who = who;
+}
 
-    /* gate/up and the rule over the union: each neuron's rows for every token that computes it */
-    int64_t pairs = 0;
-    for (int64_t k = 0; k < mu; k++) pairs += __builtin_popcountll(who[u[k]]);
-    const int t_gu = pairs * d >= PARALLEL_WORK ? threads : 1;
-    FOR_THREADS(t_gu, k, mu, {
-        const int64_t j = u[k];
-        int64_t next = prefetch_row(u, k, mu);
-        for (uint64_t bits = who[j]; bits; bits &= bits - 1) {
-            const int64_t t = __builtin_ctzll(bits);
-            H[t * n + j] = neuron(&f, j, a->x + t * d, &qx[t], (int)mode, a->thr, next);
-            next = -1;
+/* The down projection of a batch whose h is in w->H and survivors in idx/val: the tokens past
+   rows_from as row dots over W_down (each row of it met by all of them), the others as the axpy
+   over their survivors. Returns 0, or -1 when memory is short. */
+static int batch_down(const ffn_call_t *a, work_t *w, int threads, qx_t *qx) {
+    const int64_t n = a->n, d = a->d, nt = w->nt;
+    uint64_t by_rows = 0;
+    int64_t n_rows = 0, cols_work = 0;
+    for (int64_t t = 0; t < nt; t++) {
+        if (a->wd.q && a->counts[2 * t + 1] >= a->wd.from) {
+            by_rows |= 1ULL << t;
+            n_rows++;
+        } else {
+            cols_work += a->counts[2 * t + 1];
         }
-    });
+    }
+    if (n_rows) {
+        for (uint64_t bits = by_rows; bits; bits &= bits - 1) {
+            const int64_t t = __builtin_ctzll(bits);
+            quantize_x(w->H + t * n, n, &qx[t]);     /* h, quantized per group of 32 neurons */
+        }
+        w->qx = qx;
+        w->tokens = by_rows;
+        w->y = a->y;
+        run_row_dots(w, n * d * n_rows >= PARALLEL_WORK ? threads : 1);
+    }
+    if (n_rows < nt) {
+        const int t_dn = cols_work * d >= PARALLEL_WORK ? threads : 1;
+        w->tokens = ~by_rows & (nt == 64 ? ~0ULL : (1ULL << nt) - 1);
+        w->per = (d / G + t_dn - 1) / t_dn;
+        pinfer_parallel(t_dn, t_dn, down_batch, w);
+        if (atomic_load(&w->failed)) return -1;
+    }
+    return 0;
+}
+
+/* The FFN of nt tokens in one call, each with the result of its own pinfer_ffn_call (the same
+ * bits), over the union of their candidates: every weight row any token needs is read once and
+ * met by each token that needs it while it is in cache. x, y are (nt, d); idx, val (nt, n) and
+ * counts (nt, 2) as a single call's, per token (MODE_GIVEN: each token's candidates in its row of
+ * idx, their number in its counts[0]). Returns 0, or -1 when a size is unsupported or memory is
+ * short. */
+static int ffn_batch(const ffn_call_t *a, int64_t nt, int threads) {
+    const int64_t n = a->n, d = a->d, r = a->r;
+    const ffn_t f = {a->gu_fmt, a->down_fmt, a->act, a->gu_q, a->gu_scale, a->gu_min, a->gu_qh, a->dn_q,
+                     a->dn_scale, a->dn_min, d};
+    /* per token: quantized x (and later h), predictor hidden; h of every token over all neurons;
+       which tokens compute each neuron */
+    const int64_t qn = n > d ? n : d, qbytes = qn + (int64_t)sizeof(float) * (qn / G * 2 + qn / 8);
+    uint8_t *qmem = malloc((size_t)(nt * qbytes));
+    float *z = malloc((size_t)(nt * (r ? r : 1)) * sizeof(float));
+    float *H = calloc((size_t)(nt * n), sizeof(float));
+    uint64_t *who = calloc((size_t)n, sizeof(uint64_t));
+    int32_t *u = malloc((size_t)n * sizeof(int32_t));
+    qx_t *qx = malloc((size_t)nt * sizeof(qx_t));
+    int rc = -1;
+    if (!qmem || !z || !H || !who || !u || !qx) goto done;
+    for (int64_t t = 0; t < nt; t++) {
+        float *fl = (float *)(qmem + t * qbytes);
+        qx[t] = (qx_t){(int8_t *)(fl + qn / G * 2 + qn / 8), fl, fl + qn / G, fl + qn / G + qn / 8};
+        if (f.gu_fmt == FMT_Q4 || f.gu_fmt == FMT_Q5) quantize_x(a->x + t * d, d, &qx[t]);
+    }
+    work_t w = {.a = a, .f = &f, .nt = nt, .qx = qx, .z = z, .H = H};
+    batch_candidates(a, &w, threads, u, who);
+
+    int64_t pairs = 0;
+    for (int64_t k = 0; k < w.mu; k++) pairs += __builtin_popcountll(who[u[k]]);
+    pinfer_parallel(pairs * d >= PARALLEL_WORK ? threads : 1, w.mu, gate_up_union, &w);
     /* survivors of each token, ascending, as a single call compacts them */
     for (int64_t t = 0; t < nt; t++) {
         int32_t *idx = a->idx + t * n;
@@ -995,90 +1135,7 @@ int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
         }
         a->counts[2 * t + 1] = s;
     }
-
-    /* down: the tokens past rows_from as row dots over W_down (each row of it met by all of them),
-       the others as the axpy over their survivors, in blocks of neurons every token passes through */
-    uint64_t by_rows = 0;
-    int64_t n_rows = 0, cols_work = 0;
-    for (int64_t t = 0; t < nt; t++) {
-        if (a->wd.q && a->counts[2 * t + 1] >= a->wd.from) {
-            by_rows |= 1ULL << t;
-            n_rows++;
-        } else {
-            cols_work += a->counts[2 * t + 1];
-        }
-    }
-    if (n_rows) {
-        const int64_t gn = n / G;
-        for (uint64_t bits = by_rows; bits; bits &= bits - 1) {
-            const int64_t t = __builtin_ctzll(bits);
-            quantize_x(H + t * n, n, &qx[t]);     /* h, quantized per group of 32 neurons */
-        }
-        const int t_rows = n * d * n_rows >= PARALLEL_WORK ? threads : 1;
-        const rows_t *wd = &a->wd;
-#ifdef PINFER_X86
-        if (isa == ISA_AVX512) {
-            FOR_THREADS(t_rows, b, d / 4, {
-                const int64_t i = 4 * b;
-                const uint8_t *next = i + 4 < d ? wd->q + (i + 4) * (n / 2) : NULL;
-                for (uint64_t bits = by_rows; bits; bits &= bits - 1) {
-                    const int64_t t = __builtin_ctzll(bits);
-                    dot4_q4_avx512(wd->q + i * (n / 2), n / 2, wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL,
-                                   gn, &qx[t], n, a->y + t * d + i, next);
-                    next = NULL;
-                }
-            });
-        } else
-#endif
-        {
-            FOR_THREADS(t_rows, i, d, {
-                for (uint64_t bits = by_rows; bits; bits &= bits - 1) {
-                    const int64_t t = __builtin_ctzll(bits);
-                    a->y[t * d + i] = dot_q4(wd->q + i * (n / 2), NULL, wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL,
-                                             &qx[t], n, NULL);
-                }
-            });
-        }
-    }
-    if (n_rows < nt) {
-        const uint64_t by_cols = ~by_rows & (nt == 64 ? ~0ULL : (1ULL << nt) - 1);
-        const int t_dn = cols_work * d >= PARALLEL_WORK ? threads : 1;
-        const int64_t per = (ng + t_dn - 1) / t_dn;
-        int failed = 0;
-        FOR_THREADS(t_dn, th, t_dn, {
-            const int64_t g0 = th * per, g1 = g0 + per < ng ? g0 + per : ng;
-            if (g0 < g1) {
-                const int64_t nc = (g1 - g0) * G;
-                float *scratch = malloc((size_t)(nt * (nc + nc / G) + nc + AXPY_ROWS * (MAX_D / G)) * sizeof(float));
-                if (!scratch) {
-                    failed = 1;
-                } else {
-                    float *p = scratch, *off = p + nt * nc, *acc = off + nt * (nc / G), *ar = acc + nc;
-                    int64_t at[MAX_BATCH] = {0};
-                    memset(p, 0, (size_t)(nt * (nc + nc / G)) * sizeof(float));
-                    for (int64_t b0 = 0; b0 < n; b0 += DOWN_BLOCK) {
-                        for (uint64_t bits = by_cols; bits; bits &= bits - 1) {
-                            const int64_t t = __builtin_ctzll(bits), s = a->counts[2 * t + 1];
-                            const int32_t *idx = a->idx + t * n;
-                            int64_t e = at[t];
-                            while (e < s && idx[e] < b0 + DOWN_BLOCK) e++;
-                            if (e > at[t])
-                                down_cols_acc(&f, idx + at[t], a->val + t * n + at[t], e - at[t], g0 * G, g1 * G,
-                                              p + t * nc, off + t * (nc / G), acc, (float (*)[MAX_D / G])ar);
-                            at[t] = e;
-                        }
-                    }
-                    for (uint64_t bits = by_cols; bits; bits &= bits - 1) {
-                        const int64_t t = __builtin_ctzll(bits);
-                        down_cols_finish(&f, p + t * nc, off + t * (nc / G), a->y + t * d, g0 * G, g1 * G);
-                    }
-                    free(scratch);
-                }
-            }
-        });
-        if (failed) goto done;
-    }
-    rc = 0;
+    rc = batch_down(a, &w, threads, qx);
 done:
     free(qmem);
     free(z);
@@ -1086,5 +1143,15 @@ done:
     free(who);
     free(u);
     free(qx);
+    return rc;
+}
+
+int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
+    if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
+    if (a->d % G || a->n % G || a->d > MAX_D || a->r % G || nt < 1 || nt > MAX_BATCH) return -1;
+    if (isa < 0) pinfer_sparse_isa(-1);
+    const int threads = pinfer_pool_enter(a->threads);
+    const int rc = ffn_batch(a, nt, threads);
+    pinfer_pool_leave(a->threads);
     return rc;
 }

@@ -1,0 +1,146 @@
+/* pinfer's thread pool (pool.h). Workers are started on first need and live with the process.
+ * Worker i (1, 2, ...) has a slot whose job number the caller raises to hand it range i of a loop;
+ * it spins on that number while a call holds the pool, and sleeps on its condition variable
+ * otherwise. The caller runs range 0 itself and then waits for the count of ranges left to reach
+ * zero. A forked child starts with no workers (pthread_atfork). */
+#include "pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define RELAX() __builtin_ia32_pause()
+#else
+#define RELAX() ((void)0)
+#endif
+
+#define MAX_WORKERS 255
+#define WAIT_SPINS (1 << 14)    /* the caller's spins on unfinished ranges before it yields its core */
+
+typedef struct {
+    _Alignas(64) _Atomic uint64_t job;  /* the job number this worker is to run (0: none yet) */
+    pthread_cond_t wake;
+    int sleeping;                       /* guarded by lock */
+} slot_t;
+
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;       /* sleeping workers */
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static _Alignas(64) _Atomic int hold;       /* a call holds the pool: idle workers spin */
+static _Alignas(64) _Atomic int n_sleeping;
+static _Alignas(64) _Atomic int remaining;  /* ranges of the current loop not yet done by workers */
+static int started;                         /* workers running; guarded by call_lock */
+static uint64_t last_job;                   /* guarded by call_lock */
+static struct {
+    pinfer_range_fn fn;
+    void *ctx;
+    int64_t n;
+    int parts;
+} job;                                      /* written by the caller before it raises the job numbers */
+static slot_t slots[MAX_WORKERS + 1];
+
+static void *worker(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    slot_t *s = &slots[id];
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t j;
+        while ((j = atomic_load_explicit(&s->job, memory_order_acquire)) == seen) {
+            if (atomic_load_explicit(&hold, memory_order_relaxed)) {
+                RELAX();
+                continue;
+            }
+            pthread_mutex_lock(&lock);
+            s->sleeping = 1;
+            atomic_fetch_add(&n_sleeping, 1);   /* then the job number is read again (pinfer_parallel) */
+            while (atomic_load(&s->job) == seen && !atomic_load(&hold)) pthread_cond_wait(&s->wake, &lock);
+            atomic_fetch_sub(&n_sleeping, 1);
+            s->sleeping = 0;
+            pthread_mutex_unlock(&lock);
+        }
+        seen = j;
+        job.fn(job.ctx, job.n * id / job.parts, job.n * (id + 1) / job.parts);
+        atomic_fetch_sub_explicit(&remaining, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+/* Wake workers 1 .. upto - 1 where they sleep. */
+static void wake(int upto) {
+    pthread_mutex_lock(&lock);
+    for (int i = 1; i < upto; i++)
+        if (slots[i].sleeping) pthread_cond_signal(&slots[i].wake);
+    pthread_mutex_unlock(&lock);
+}
+
+static void before_fork(void) { pthread_mutex_lock(&call_lock); }
+static void parent_after_fork(void) { pthread_mutex_unlock(&call_lock); }
+
+/* The child has only the thread that forked: no workers, nobody sleeping, no call running. */
+static void child_after_fork(void) {
+    started = 0;
+    atomic_store(&hold, 0);
+    atomic_store(&n_sleeping, 0);
+    pthread_mutex_init(&lock, NULL);
+    for (int i = 0; i <= MAX_WORKERS; i++) {
+        atomic_store(&slots[i].job, 0);
+        slots[i].sleeping = 0;
+        pthread_cond_init(&slots[i].wake, NULL);
+    }
+    pthread_mutex_init(&call_lock, NULL);
+}
+
+static void init(void) {
+    for (int i = 0; i <= MAX_WORKERS; i++) pthread_cond_init(&slots[i].wake, NULL);
+    pthread_atfork(before_fork, parent_after_fork, child_after_fork);
+}
+
+int pinfer_pool_enter(int threads) {
+    if (threads <= 1) return 1;
+    pthread_once(&once, init);
+    pthread_mutex_lock(&call_lock);
+    if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
+    while (started < threads - 1) {
+        pthread_attr_t attr;
+        pthread_t t;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &attr, worker, (void *)(intptr_t)(started + 1));
+        pthread_attr_destroy(&attr);
+        if (rc) break;
+        started++;
+    }
+    if (threads > started + 1) threads = started + 1;
+    atomic_store(&hold, 1);
+    if (atomic_load(&n_sleeping)) wake(threads);
+    return threads;
+}
+
+void pinfer_pool_leave(int threads) {
+    if (threads <= 1) return;
+    atomic_store(&hold, 0);
+    pthread_mutex_unlock(&call_lock);
+}
+
+void pinfer_parallel(int threads, int64_t n, pinfer_range_fn fn, void *ctx) {
+    int parts = (int64_t)threads < n ? threads : (int)n;
+    if (parts > started + 1) parts = started + 1;
+    if (parts <= 1) {
+        fn(ctx, 0, n);
+        return;
+    }
+    job.fn = fn;
+    job.ctx = ctx;
+    job.n = n;
+    job.parts = parts;
+    atomic_store_explicit(&remaining, parts - 1, memory_order_relaxed);
+    const uint64_t j = ++last_job;
+    for (int i = 1; i < parts; i++) atomic_store(&slots[i].job, j);
+    if (atomic_load(&n_sleeping)) wake(parts);   /* a worker that missed j is counted in n_sleeping */
+    fn(ctx, 0, n / parts);
+    for (int spins = 0; atomic_load_explicit(&remaining, memory_order_acquire) > 0; spins++) {
+        if (spins < WAIT_SPINS) RELAX();
+        else sched_yield();
+    }
+}
