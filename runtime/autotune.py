@@ -87,7 +87,8 @@ def timing_tokens(spec, vocab, n):
 
 
 def choose_paths(model):
-    """Decode a few tokens with every sparse layer run three ways: the fused kernel under its
+    """Decode a few tokens with every fused layer (sparse, or dense where the kernel takes it) run
+    three ways: the fused kernel under its
     rule ("kernel"), the same kernel over every neuron ("kernel-dense") and the layer graph with
     MatMulNBits ("dense"). A rule's layers keep the kernel and the rule only where their summed
     time is under KEEP_BELOW of the faster exact way (median over tokens); otherwise they run
@@ -104,6 +105,8 @@ def choose_paths(model):
         times = np.asarray(spent[name])
         rule_r, dense_r = (float(np.median(times[:, k] / times[:, 2])) for k in (0, 1))
         path = choose_path(rule_r, dense_r)
+        if name == "dense" and path == "kernel":     # the kernel under no rule is its dense mode
+            path = "kernel-dense"
         choices.append(PathChoice(name, len(layers), len(times), path, rule_r, dense_r, model.threads))
         if path != "kernel":
             for i in layers:

@@ -12,13 +12,15 @@ from .sparse import LayerFfn
 
 
 def fused_ffn(model, i):
-    """The LayerFfn for layer i's decode, or None where the ONNX graph and NumPy rule run: dense
-    layers with no hot neurons (ONNX Runtime's MatMulNBits is the faster dense path), formats or
-    shapes the kernel lacks, and --quant mixed splits."""
+    """The LayerFfn for layer i's decode, or None where the ONNX graph and NumPy rule run: with
+    --ffn-kernel off, dense layers under "on" (ONNX Runtime's graph is the dense path unless timed:
+    under "auto" the kernel's dense mode is built too, and autotune keeps whichever is faster here),
+    formats or shapes the kernel lacks, and --quant mixed splits."""
     rule, r, cfg, on_device = model.rules[i], model.reader, model.cfg, model.devices.on_device
     hot = model.plan.hot[i] if model.plan else 0
     fused = model.use_kernels != "off" or hot or on_device   # the GPU's decode has no other FFN path
-    if not fused or (rule.rule.mode == "dense" and not hot and not on_device) or kernel_refusal(r, cfg, i):
+    untimed_dense = rule.rule.mode == "dense" and model.use_kernels == "on"
+    if not fused or (untimed_dense and not hot and not on_device) or kernel_refusal(r, cfg, i):
         return None
     try:
         kernel = layer_kernel(model, i, rule.rule.mode)
