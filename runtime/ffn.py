@@ -19,8 +19,8 @@ def fused_ffn(model, i):
     rule, r, cfg, on_device = model.rules[i], model.reader, model.cfg, model.devices.on_device
     hot = model.plan.hot[i] if model.plan else 0
     fused = model.use_kernels != "off" or hot or on_device   # the GPU's decode has no other FFN path
-    untimed_dense = rule.rule.mode == "dense" and model.use_kernels == "on"
-    if not fused or (untimed_dense and not hot and not on_device) or kernel_refusal(r, cfg, i):
+    graph_dense = rule.rule.mode == "dense" and (model.use_kernels == "on" or not times_dense(model, i))
+    if not fused or (graph_dense and not hot and not on_device) or kernel_refusal(r, cfg, i):
         return None
     try:
         kernel = layer_kernel(model, i, rule.rule.mode)
@@ -29,6 +29,23 @@ def fused_ffn(model, i):
     thr = float(rule.threshold) if rule.threshold is not None else 0.0
     pthr = float(rule.pred[3]) if rule.pred is not None else 0.0
     return LayerFfn(kernel, rule.rule.mode, thr, pthr)
+
+
+# Timing a dense layer's kernel needs the attention-only sessions, a second copy of the attention
+# weights in ONNX Runtime's memory (2.7 GB at LLaMA-7B's 32 layers: peak RSS 13.8 GB against 11.1 GB).
+# Dense layers are timed where that copy is small (SmolLM2: 15 MB, where the kernel's dense mode
+# took 0.6x of the graph's time), or where the graph's down projection has no MatMulNBits form (a
+# hot-first file's 8-bit down rows: the kernel 2.7x as fast at 7B shapes).
+DENSE_TIMING_MAX_ATTN_BYTES = 256 << 20
+
+
+def times_dense(model, i):
+    """Whether --ffn-kernel auto times dense layer i's kernel against the graph (see above)."""
+    if model.downs and not isinstance(model.downs[i], MatMulDown):
+        return True
+    tensors = model.reader.header["tensors"]
+    attn = sum(e["nbytes"] for name, e in tensors.items() if name.startswith("blk.") and ".attn_" in name)
+    return attn <= DENSE_TIMING_MAX_ATTN_BYTES
 
 
 def layer_kernel(model, i, mode):

@@ -164,3 +164,25 @@ def test_the_cli_prints_what_loading_chose(silu_file):
         assert "ffn: down:0.3 on 2 layers, time against ONNX Runtime's dense path" in err
     assert "running on the CPU (" not in quiet
     assert "running on the CPU (" in verbose or "placement for a VRAM budget" in verbose   # no GPU, or a GPU's plan
+
+
+def test_large_dense_models_are_not_timed_unless_the_graph_lacks_matmulnbits(tmp_path, monkeypatch):
+    """Timing a dense layer's kernel builds the attention-only sessions, a second copy of the
+    attention weights: above ffn.DENSE_TIMING_MAX_ATTN_BYTES dense layers stay on the graphs,
+    untimed, with no such sessions; a file whose down rows have no MatMulNBits form (the hot-first
+    file here) is timed whatever its size."""
+    from fixtures import make_tiny_llama_gguf
+
+    from pinfer.converter.convert import ConvertOptions, convert
+    from pinfer.converter.passes import DENSE
+    from pinfer.formats.reader import PinfReader
+    from pinfer.runtime import ffn
+    src = make_tiny_llama_gguf(tmp_path / "d.gguf", qtype="Q4_0", n_layer=2, d_model=64, n_ff=128)
+    plain = convert(ConvertOptions(src, tmp_path / "d.pinf", report=False, passes=DENSE))
+    assert [c.rule for c in Model(plain, _opts()).path_choices] == ["dense"]
+    monkeypatch.setattr(ffn, "DENSE_TIMING_MAX_ATTN_BYTES", 0)
+    m = Model(plain, _opts())
+    assert m.path_choices == [] and not any(m.ffns) and m.attn is None
+    hot_first = convert_tiny_silu(tmp_path, order="hot-first")
+    assert PinfReader(hot_first).header["weights"]["blk.0.ffn_down_t"] == "q8"
+    assert [c.rule for c in Model(hot_first, _opts(sparsity="dense")).path_choices] == ["dense"]
