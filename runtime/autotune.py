@@ -36,11 +36,16 @@ class PathChoice:
     quiet = False                   # said without -v too
 
     def describe(self):
+        timed = (f"time against ONNX Runtime's dense path here ({self.threads} thread{'s' * (self.threads > 1)}, "
+                 f"median of {self.tokens} tokens)")
+        if self.rule == "dense":        # no rule to keep or drop: the kernel's dense mode or the graph
+            return (f"ffn: dense on {self.layers} layers, {timed}: the kernel's dense mode "
+                    f"{self.kernel_dense_over_dense:.2f}x: running them through "
+                    + ("the kernel" if self.path != "dense" else "ONNX Runtime"))
         does = {"kernel": f"decoding through the kernel under {self.rule}",
                 "kernel-dense": "running these layers dense through the kernel (rule dropped)",
                 "dense": "running these layers dense through ONNX Runtime (rule dropped)"}[self.path]
-        return (f"ffn: {self.rule} on {self.layers} layers, time against ONNX Runtime's dense path here "
-                f"({self.threads} thread{'s' * (self.threads > 1)}, median of {self.tokens} tokens): fused kernel "
+        return (f"ffn: {self.rule} on {self.layers} layers, {timed}: fused kernel "
                 f"{self.kernel_over_dense:.2f}x, its dense mode {self.kernel_dense_over_dense:.2f}x: {does}")
 
 

@@ -133,6 +133,9 @@ def test_dense_layers_take_the_kernels_dense_mode_where_it_is_faster(silu_file, 
     m = Model(silu_file, _opts(sparsity="dense"))
     [choice] = m.path_choices
     assert (choice.rule, choice.path, choice.layers) == ("dense", path, 2)
+    said = choice.describe()
+    assert said.startswith("ffn: dense on 2 layers, time against ONNX Runtime's dense path here (1 thread, median of ")
+    assert said.endswith("running them through " + ("the kernel" if path == "kernel-dense" else "ONNX Runtime"))
     assert all(m.ffns) == (path == "kernel-dense") and all(f.mode == "dense" for f in m.ffns if f)
     want = _decode(Model(silu_file, _opts(sparsity="dense", kernels="off")))
     got = _decode(m)
