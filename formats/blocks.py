@@ -5,7 +5,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from .schema import GROUP
+from .schema import GROUP, NO_MIN_OFFSET
 
 # GGUF block byte layouts (gguf-py / ggml-common.h): per block of 32 values
 #   Q4_0: d f16 | qs u8[16]         value i = d*((qs[i] & 15) - 8), value i+16 = d*((qs[i] >> 4) - 8)
@@ -150,7 +150,7 @@ def from_gguf_transposed(ttype, raw, rows, k):
     if t is None:
         return None
     fmt, parts = t
-    if fmt == "q5":
+    if fmt not in TRANSPOSED:       # q5: no row-grouped form
         return None
     if fmt in ("f32", "f16"):
         return fmt, {"w": np.ascontiguousarray(parts["w"].T)}
@@ -221,7 +221,7 @@ def dequantize(fmt, parts, rows=None):
         q = _unpairs(sel(parts["q"])).astype(np.float32)
         if "min" in parts:
             return q * scale + parts["min"].astype(np.float32)[groups]
-        return (q - 8) * scale
+        return (q - NO_MIN_OFFSET[fmt]) * scale
     if fmt in ("f32", "f16"):
         return sel(parts["w"]).astype(np.float32)
     scale = sel(parts["scale"]).astype(np.float32)
@@ -242,9 +242,6 @@ def dequantize(fmt, parts, rows=None):
 
 def dequantize_gguf(ttype, raw, rows, k):
     return quants.dequantize(np.asarray(raw), ttype).reshape(rows, k).astype(np.float32, copy=False)
-
-
-NO_MIN_OFFSET = {"q4": 8, "q4r": 8, "q5": 16}    # value = scale*(q - offset) without a min
 
 
 def with_min(parts, fmt="q4"):

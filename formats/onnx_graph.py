@@ -89,12 +89,12 @@ class GraphBuilder:
         scale = self.node("Reshape", [self.f32(part("scale")), self.const(np.array([rows, nb]))])
         inputs = [x, q, scale]
         if fmt == "q5":     # zero point 16 for every block
-            inputs.append(self.node("Expand", [self.const(np.uint8(16)), self.const(np.array([rows, nb]))]))
+            inputs.append(self.node("Expand", [self.const(np.uint8(S.NO_MIN_OFFSET["q5"])), self.const(np.array([rows, nb]))]))
         y = self.node("MatMulNBits", inputs, domain="com.microsoft",
                       K=k, N=rows, bits=bits, block_size=S.GROUP, accuracy_level=ACCURACY_LEVEL)
         if fmt in ("q4", "q5") and part("min") in self.directory:
             # value = scale*q + min = scale*(q - z) + (min + z*scale), z the zero point (8, or 16)
-            z = np.float32(8 if fmt == "q4" else 16)
+            z = np.float32(S.NO_MIN_OFFSET[fmt])
             mins = self.node("Reshape", [self.f32(part("min")), self.const(np.array([rows, nb]))])
             offset = self.node("Add", [mins, self.node("Mul", [scale, self.const(z)])])
             sums = self.node("ReduceSum", [self.node("Reshape", [x, self.const(np.array([1, -1, nb, S.GROUP]))]),

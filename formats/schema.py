@@ -78,7 +78,8 @@ BLOCK_FORMATS = {
     "f16": ("w",),
     "f32": ("w",),
 }
-OPTIONAL_PARTS = ("min",)       # without it: q4 and q4r scale*(q - 8), q5 scale*(q - 16)
+OPTIONAL_PARTS = ("min",)
+NO_MIN_OFFSET = {"q4": 8, "q4r": 8, "q5": 16}    # value = scale*(q - offset) without a min
 
 
 def block_parts(fmt, rows, k, has_min=True):

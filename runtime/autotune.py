@@ -92,8 +92,8 @@ def timing_tokens(spec, vocab, n):
 
 
 def choose_paths(model):
-    """Decode a few tokens with every fused layer (sparse, or dense where the kernel takes it) run
-    three ways: the fused kernel under its
+    """Decode a few tokens with every fused layer (sparse, or dense where ffn.times_dense says)
+    run three ways (dense ones the last two): the fused kernel under its
     rule ("kernel"), the same kernel over every neuron ("kernel-dense") and the layer graph with
     MatMulNBits ("dense"). A rule's layers keep the kernel and the rule only where their summed
     time is under KEEP_BELOW of the faster exact way (median over tokens); otherwise they run
@@ -110,8 +110,6 @@ def choose_paths(model):
         times = np.asarray(spent[name])
         rule_r, dense_r = (float(np.median(times[:, k] / times[:, 2])) for k in (0, 1))
         path = choose_path(rule_r, dense_r)
-        if name == "dense" and path == "kernel":     # the kernel under no rule is its dense mode
-            path = "kernel-dense"
         choices.append(PathChoice(name, len(layers), len(times), path, rule_r, dense_r, model.threads))
         if path != "kernel":
             for i in layers:
@@ -127,12 +125,14 @@ def choose_paths(model):
 
 def _time_ways(model, groups):
     """{rule name: per timed token, [kernel, kernel-dense, dense] seconds over the rule's layers}:
-    each sparse layer run its three ways on the same input, in an order rotating per token and
-    layer, after TIMING_WARMUP tokens, for up to TIMING_TOKENS tokens or TIMING_BUDGET_S."""
+    each fused layer run its ways on the same input, in an order rotating per token and layer,
+    after TIMING_WARMUP tokens, for up to TIMING_TOKENS tokens or TIMING_BUDGET_S. A dense layer
+    has no rule to run the kernel under: two ways, its "kernel" time infinite (never chosen)."""
     cfg = model.cfg
     dense = [LayerRule(model.reader, model.reader.header, i, Rule("dense"), Counters()) for i in range(cfg.n_layer)]
     model.bind_activations(1)
-    steps = [(model.steps.layer(i, True), model.steps.layer(i, True, entry=model.ffns[i].dense()),
+    steps = [(None if model.rules[i].rule.mode == "dense" else model.steps.layer(i, True),
+              model.steps.layer(i, True, entry=model.ffns[i].dense()),
               model.steps.layer(i, False, rule=dense[i])) if model.ffns[i]
              else (model.steps.layer(i, False),) for i in range(cfg.n_layer)]
     spent = {name: [] for name in groups}
@@ -146,13 +146,16 @@ def _time_ways(model, groups):
                     step()
                 continue
             saved = model.steps.delta.np.copy()     # every way reads the previous layer's FFN output
-            for k, way in enumerate(np.roll((0, 1, 2), t + i)):
+            name = model.rules[i].rule.name
+            if steps[i][0] is None:
+                acc[name][0] = np.inf
+            for k, way in enumerate(w for w in np.roll((0, 1, 2), t + i) if steps[i][w] is not None):
                 if k:
                     model.steps.delta.np[...] = saved
                 t0 = time.perf_counter()
                 for step in steps[i][way]:
                     step()
-                acc[model.rules[i].rule.name][way] += time.perf_counter() - t0
+                acc[name][way] += time.perf_counter() - t0
         model.n_past += 1
         if t >= TIMING_WARMUP:
             for name, times in acc.items():

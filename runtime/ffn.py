@@ -12,10 +12,10 @@ from .sparse import LayerFfn
 
 
 def fused_ffn(model, i):
-    """The LayerFfn for layer i's decode, or None where the ONNX graph and NumPy rule run: with
-    --ffn-kernel off, dense layers under "on" (ONNX Runtime's graph is the dense path unless timed:
-    under "auto" the kernel's dense mode is built too, and autotune keeps whichever is faster here),
-    formats or shapes the kernel lacks, and --quant mixed splits."""
+    """The LayerFfn for layer i's decode, or None where the ONNX graph and NumPy rule run: every
+    layer with --ffn-kernel off; dense layers with "on", and with "auto" where times_dense says no
+    (elsewhere "auto" builds the kernel's dense mode and autotune keeps whichever is faster here);
+    formats or shapes the kernel lacks; --quant mixed splits."""
     rule, r, cfg, on_device = model.rules[i], model.reader, model.cfg, model.devices.on_device
     hot = model.plan.hot[i] if model.plan else 0
     fused = model.use_kernels != "off" or hot or on_device   # the GPU's decode has no other FFN path
@@ -33,7 +33,7 @@ def fused_ffn(model, i):
 
 # Timing a dense layer's kernel needs the attention-only sessions, a second copy of the attention
 # weights in ONNX Runtime's memory (2.7 GB at LLaMA-7B's 32 layers: peak RSS 13.8 GB against 11.1 GB).
-# Dense layers are timed where that copy is small (SmolLM2: 15 MB, where the kernel's dense mode
+# Dense layers are timed where that copy is small (SmolLM2: 17 MB, where the kernel's dense mode
 # took 0.6x of the graph's time), or where the graph's down projection has no MatMulNBits form (a
 # hot-first file's 8-bit down rows: the kernel 2.7x as fast at 7B shapes).
 DENSE_TIMING_MAX_ATTN_BYTES = 256 << 20

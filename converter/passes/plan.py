@@ -63,7 +63,7 @@ def bundle_formats(gate_up_types, down_type, quant, permuted, predictor_bytes=0,
     if quant == "mixed" or quant == "int4" and gu[0] != "q4":
         gu, carried = ("q4", True), False
     dn = EXACT.get(down_type)
-    if dn is not None and dn[0] == "q5":     # the sparse kernels' down_t rows and the "r" forms have no 5 bits
+    if dn is not None and dn[0] not in TRANSPOSED:     # q5: no row-grouped form, nor a down_t row the kernels read
         dn = None
     if dn is not None and down_neuron_major and quant != "mixed" and (quant == "auto" or dn[0] == "q4"):
         return BundleFormats(gu, dn, predictor_bytes, carried, True)

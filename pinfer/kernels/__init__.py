@@ -48,6 +48,7 @@ MAX_BATCH = 64  # tokens of one batch call (ffn_sparse.c: a neuron's tokens are 
 FORMAT_CODES = {"q8": 0, "q8r": 1, "q4r": 2, "f16": 3, "f32": 4, "q4": 5, "q5": 6}
 GATE_UP_FORMATS = ("q4", "q5", "f16", "f32")      # gate_up (n_ff, 2, d): formats grouped along d
 SPARSE_DOWN = ("q8", "q4", "q4r", "f16", "f32")   # down_t formats the sparse FFN reads
+DENSE_DOWN = SPARSE_DOWN + ("q8r",)                # down_t formats DownProjection (ffn_down.c) reads
 
 
 def _check(a, dtype, shape, name):
@@ -57,7 +58,7 @@ def _check(a, dtype, shape, name):
 
 
 def _parts(formats, fmt, parts, n, d, what, per_row=0):
-    """(format code, (q-or-w, scale, min, qh) pointers) of checked block-format parts of an (n, d)
+    """(format code, (q-or-w, scale, min) pointers) of checked block-format parts of an (n, d)
     weight in one of `formats`, or of an (n, per_row, d) one (gate_up) when per_row is given."""
     if fmt not in formats:
         raise ValueError(f"the kernels take {what} in {sorted(formats)}, not {fmt}")
@@ -69,7 +70,7 @@ def _parts(formats, fmt, parts, n, d, what, per_row=0):
         if k in parts:
             _check(parts[k], S.DTYPES[dtype], (n, per_row, *shape[1:]) if per_row else shape, f"{what}.{k}")
     ptr = lambda k: parts[k].ctypes.data if k in parts else None  # noqa: E731
-    return FORMAT_CODES[fmt], (ptr("q") or ptr("w"), ptr("scale"), ptr("min"), ptr("qh"))
+    return FORMAT_CODES[fmt], (ptr("q") or ptr("w"), ptr("scale"), ptr("min"))
 
 
 class DownProjection:
@@ -79,8 +80,7 @@ class DownProjection:
     def __init__(self, fmt, parts, threads, n_ff, d):
         if d % 32 or n_ff % 32:
             raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
-        self.code, w = _parts({f: c for f, c in FORMAT_CODES.items() if f != "q5"}, fmt, parts, n_ff, d, "down_t")
-        self._w = w[:3]
+        self.code, self._w = _parts(DENSE_DOWN, fmt, parts, n_ff, d, "down_t")
         self.parts, self.threads, self.n_ff, self.d = parts, threads, n_ff, d
 
     def bind(self, h, y):
@@ -149,16 +149,17 @@ class SparseFFN:
             raise ValueError(f"the sparse FFN takes the activations {', '.join(ACTIVATIONS)}, not {act}")
         self.n_ff, self.d, self.threads = n_ff, d, threads
         self.act = ACTIVATIONS.index(act)
-        self.gu_code, self.gu = _parts(GATE_UP_FORMATS, *gate_up, n_ff, d, "gate_up", per_row=2)
-        self.dn_code, dn = _parts(SPARSE_DOWN, *down, n_ff, d, "the sparse FFN's down_t")
-        self.dn = dn[:3]
+        self.gu_code, gu = _parts(GATE_UP_FORMATS, *gate_up, n_ff, d, "gate_up", per_row=2)
+        qh = gate_up[1].get("qh")                       # q5's fifth bits (checked with the rest)
+        self.gu = (*gu, None if qh is None else qh.ctypes.data)
+        self.dn_code, self.dn = _parts(SPARSE_DOWN, *down, n_ff, d, "the sparse FFN's down_t")
         if isinstance(down_rows, str) and down_rows == "transpose":
             from pinfer.formats import blocks
             down_rows = blocks.from_transposed_r(*down)
         self.rows = _Rows()
         if down_rows is not None:
             rows_from = ROWS_FROM if rows_from is None else rows_from
-            code, (q, scale, mn, _) = _parts(("q4",), *down_rows, d, n_ff, "down rows")
+            code, (q, scale, mn) = _parts(("q4",), *down_rows, d, n_ff, "down rows")
             if not 0.0 <= rows_from <= 1.0:
                 raise ValueError(f"rows_from {rows_from} is not a share between 0 and 1")
             self.rows = _Rows(code, q, scale, mn, int(np.ceil(rows_from * n_ff)))
