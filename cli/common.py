@@ -45,7 +45,7 @@ def runtime_options(f):
 
 def placement_options(f):
     """How the FFN runs and where: --sparsity/--dense, --ffn-kernel, --device, --dense-device,
-    --vram-budget (pinfer bench takes these, with its own -t list)."""
+    --dense-kernel, --vram-budget (pinfer bench takes these, with its own -t list)."""
     f = click.option("--sparsity", default="", metavar="MODE[:VALUE]",
                      help="Override the file's per-layer FFN modes: dense, down:S, predicted:R or relu:R "
                           "(values the converter calibrated; see pinfer inspect).")(f)
@@ -63,6 +63,10 @@ def placement_options(f):
                      help="Where attention, norms and the head run: cpu (ONNX Runtime's CPU provider), gpu (its "
                           "CUDA provider in FP16; needs onnxruntime-gpu and --device gpu; not yet run on a GPU "
                           "since its fix, see README.md), or auto (gpu where possible).")(f)
+    f = click.option("--dense-kernel", type=click.Choice(["on", "off"]), default="on", show_default=True,
+                     help="Where the FFN kernel decodes a layer, run its attention, and the head of each new "
+                          "token, through pinfer's C kernels (on; layers of a kind they lack stay on ONNX "
+                          "Runtime) or through ONNX Runtime's sessions (off).")(f)
     f = click.option("--vram-budget", type=float, default=None, metavar="GIB",
                      help="GiB of VRAM the GPU part may use (default: free VRAM minus 0.5 GiB); the plan is "
                           "printed at load.")(f)
@@ -79,7 +83,7 @@ def runtime_config(kw):
                           sparsity="dense" if kw.get("dense") else kw.get("sparsity", ""),
                           kernels=kw.get("ffn_kernel") or "auto", device=kw.get("device") or "auto",
                           vram_budget=kw.get("vram_budget"), dense_device=kw.get("dense_device") or "cpu",
-                          verbose=bool(ctx and verbose(ctx)))
+                          dense_kernel=kw.get("dense_kernel") or "on", verbose=bool(ctx and verbose(ctx)))
 
 
 def sampling_options(f):

@@ -40,7 +40,10 @@ DENSE_TIMING_MAX_ATTN_BYTES = 256 << 20
 
 
 def times_dense(model, i):
-    """Whether --ffn-kernel auto times dense layer i's kernel against the graph (see above)."""
+    """Whether --ffn-kernel auto times dense layer i's kernel against the graph (see above; where
+    the C kernels take the attention (native.py) there is no second copy)."""
+    if model.native[i] is not None:
+        return True
     if model.downs and not isinstance(model.downs[i], MatMulDown):
         return True
     tensors = model.reader.header["tensors"]

@@ -43,8 +43,11 @@ class AttentionState:
         return sum(2 * int(np.prod(k.shape)) * k.dtype.itemsize for k, _ in self.kv)    # K and V
 
     def bind(self, sessions):
-        """Bind the KV cache, lengths and RoPE tables to layer sessions (Bound), layer i to sessions[i]."""
+        """Bind the KV cache, lengths and RoPE tables to layer sessions (Bound), layer i to sessions[i]
+        (None: a layer without a session)."""
         for i, layer in enumerate(sessions):
+            if layer is None:
+                continue
             k, v = self.kv[i]
             cos, sin = self.tables[self.local[i]]
             for name, a in (("past_key", k), ("past_value", v), ("seqlens_k", self.seqlens),

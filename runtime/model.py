@@ -18,7 +18,7 @@ from pinfer.formats import PinfReader, blocks
 from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig
 
-from . import accounting, autotune
+from . import accounting, autotune, native
 from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
@@ -58,6 +58,10 @@ class Model:
         self.attention = AttentionState(cfg, self.n_ctx, dv.act_dtype, dv.act_at,
                                         r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None)
         self.attention.bind(self.layers)
+        # decode's attention and head through pinfer's C kernels where they cover the layer (native.py)
+        ok = options.dense_kernel == "on" and dv.act_at == "cpu" and dv.act_dtype == np.float32
+        self.native = native.attention_steps(r, cfg, self.threads) if ok else [None] * cfg.n_layer
+        self.native_head = native.head(r, cfg, self.threads) if ok else None
         dv.loaded(self.attention.kv_bytes)
         self._head_shape = None  # the row count the head's buffers are bound for
         self.n_past = 0
@@ -99,8 +103,9 @@ class Model:
         self.ffns = make_ffns()
         if split:
             self.devices.report(self.plan)
-        if any(self.ffns) and self.attn is None:
-            self.attn = [self.devices.session(S.LAYER_GRAPH.format(i), self.threads, attention_only=True)
+        if any(self.ffns) and self.attn is None:      # where the C kernels do not take the attention
+            self.attn = [None if self.native[i] else self.devices.session(S.LAYER_GRAPH.format(i), self.threads,
+                                                                          attention_only=True)
                          for i in range(self.cfg.n_layer)]
             self.attention.bind(self.attn)
         self.prefill_by_token, self.prefill_times = 0, []
@@ -187,6 +192,8 @@ class Model:
         """Logits of rows start.. of the last layer's output. On a device (one token) the head
         reads the device buffers where they are; on the host the rows are copied to the head's
         own buffers, bound for that row count."""
+        if self.native_head is not None and resid.shape[1] - start == 1:
+            return self.native_head(resid, delta)
         on_device = self.devices.on_device
         shape = ("device", id(resid)) if on_device else resid.shape[1] - start
         if self._head_shape != shape:

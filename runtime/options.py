@@ -33,6 +33,10 @@ class RuntimeOptions:
     # copied when bound, memory not zeroed at allocation) over the FP16 graphs on the CPU provider:
     # CI's check of the device plumbing (see DeviceEmulation).
     dense_device: str = "cpu"
+    # "on": where the fused FFN kernel decodes a layer, its attention runs through pinfer's C
+    # kernels too (runtime/native.py says which layers they cover), and so does the head of a
+    # one-token call; "off": ONNX Runtime's sessions for every dense step (the reference path).
+    dense_kernel: str = "on"
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -41,6 +45,8 @@ class RuntimeOptions:
             raise ValueError(f"device {self.device!r} is not one of auto, cpu, gpu")
         if self.dense_device not in DENSE_DEVICES:
             raise ValueError(f"dense device {self.dense_device!r} is not one of auto, cpu, gpu")
+        if self.dense_kernel not in ("on", "off"):
+            raise ValueError(f"dense kernel {self.dense_kernel!r} is not one of on, off")
         if self.vram_budget is not None and not self.vram_budget >= 0:
             raise ValueError(f"--vram-budget {self.vram_budget:g} GiB is negative; give the GiB the GPU may use")
         if self.n_ctx < 0 or self.threads < 0:

@@ -8,7 +8,7 @@ memory; prefill's FFN runs on the host buffers."""
 
 import numpy as np
 
-from . import hybrid
+from . import hybrid, native
 from .ort import Buf
 
 
@@ -26,10 +26,15 @@ class Steps:
                     for s in self.layer(i, kernel and model.ffns[i] is not None)]
 
     def layer(self, i, kernel, rule=None, entry=None):
-        """Layer i's steps: the attention-only session and the fused FFN kernel (decode, or a
-        prompt in one batch call; `entry` a LayerFfn, default the layer's), or the whole layer
-        graph, `rule` (default the layer's) and the down projection."""
+        """Layer i's steps: the attention (the C kernels' call per token, or the attention-only
+        session) and the fused FFN kernel (decode, or a prompt in one batch call; `entry` a
+        LayerFfn, default the layer's), or the whole layer graph, `rule` (default the layer's) and
+        the down projection."""
         m = self.model
+        if kernel and m.native[i] is not None:     # the attention through the C kernels, token by token
+            attn = [native.bind_layer(m.native[i], m.attention, i, self.resid[i % 2], self.delta,
+                                      self.resid[(i + 1) % 2], self.x, t) for t in range(self.n)]
+            return attn + [self._kernel(i, entry or m.ffns[i]) if self.n == 1 else self._batch(i)]
         layer = m.attn[i] if kernel else m.layers[i]
         if not kernel:
             layer.bind_out("ffn_h", self.h)

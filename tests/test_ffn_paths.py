@@ -170,10 +170,11 @@ def test_the_cli_prints_what_loading_chose(silu_file):
 
 
 def test_large_dense_models_are_not_timed_unless_the_graph_lacks_matmulnbits(tmp_path, monkeypatch):
-    """Timing a dense layer's kernel builds the attention-only sessions, a second copy of the
-    attention weights: above ffn.DENSE_TIMING_MAX_ATTN_BYTES dense layers stay on the graphs,
-    untimed, with no such sessions; a file whose down rows have no MatMulNBits form (the hot-first
-    file here) is timed whatever its size."""
+    """With --dense-kernel off, timing a dense layer's kernel builds the attention-only sessions, a
+    second copy of the attention weights: above ffn.DENSE_TIMING_MAX_ATTN_BYTES dense layers stay
+    on the graphs, untimed, with no such sessions; a file whose down rows have no MatMulNBits form
+    (the hot-first file here) is timed whatever its size. Where the C kernels take the attention
+    there is no second copy, and every size is timed."""
     from fixtures import make_tiny_llama_gguf
 
     from pinfer.converter.convert import ConvertOptions, convert
@@ -184,8 +185,9 @@ def test_large_dense_models_are_not_timed_unless_the_graph_lacks_matmulnbits(tmp
     plain = convert(ConvertOptions(src, tmp_path / "d.pinf", report=False, passes=DENSE))
     assert [c.rule for c in Model(plain, _opts()).path_choices] == ["dense"]
     monkeypatch.setattr(ffn, "DENSE_TIMING_MAX_ATTN_BYTES", 0)
-    m = Model(plain, _opts())
+    m = Model(plain, _opts(dense_kernel="off"))
     assert m.path_choices == [] and not any(m.ffns) and m.attn is None
+    assert [c.rule for c in Model(plain, _opts()).path_choices] == ["dense"]
     hot_first = convert_tiny_silu(tmp_path, order="hot-first")
     assert PinfReader(hot_first).header["weights"]["blk.0.ffn_down_t"] == "q8"
-    assert [c.rule for c in Model(hot_first, _opts(sparsity="dense")).path_choices] == ["dense"]
+    assert [c.rule for c in Model(hot_first, _opts(sparsity="dense", dense_kernel="off")).path_choices] == ["dense"]

@@ -21,15 +21,36 @@ def _restore_isa():
     sparse_isa(BEST)
 
 
+def centre(parts, z):
+    """(n, d) per weight: min + z * scale of its group, the part of a weight with a min that meets
+    x itself (the kernels' int8 x meets scale * (q - z), as in the ONNX graphs)."""
+    return np.repeat(parts["min"].astype(np.float64) + z * parts["scale"].astype(np.float64), 32, axis=1)
+
+
+class Rows(np.ndarray):
+    """Dense rows (n, d) that remember the part of each weight that meets x itself (centre())."""
+
+    def dot(self, x, xe):
+        m = getattr(self, "mins", None)
+        return np.asarray(self) @ xe if m is None else (np.asarray(self) - m) @ xe + m @ x.astype(np.float64)
+
+
 def gate_up(fmt, n, d):
-    """(format, parts (n, 2, ...), dense gate (n, d), dense up (n, d))."""
+    """(format, parts (n, 2, ...), dense gate (n, d), dense up (n, d)) (the dense ones Rows)."""
     w = RNG.standard_normal((2 * n, d)).astype(np.float32) * 0.2
     base = fmt.split("-")[0]
     parts = blocks.quantize(base, w)
     if fmt.endswith("-nomin"):
         parts.pop("min")
-    dense = blocks.dequantize(base, parts)
-    return base, {k: v.reshape(n, 2, -1) for k, v in parts.items()}, dense[0::2], dense[1::2]
+    dense = blocks.dequantize(base, parts).view(Rows)
+    if "min" in parts:
+        dense.mins = centre(parts, 16 if base == "q5" else 8)
+    out = []
+    for k in (0, 1):
+        rows = dense[k::2].view(Rows)
+        rows.mins = dense.mins[k::2] if "min" in parts else None
+        out.append(rows)
+    return base, {k: v.reshape(n, 2, -1) for k, v in parts.items()}, out[0], out[1]
 
 
 def down(fmt, n, d):
@@ -64,7 +85,7 @@ def quantized_x(x):
 def reference(gu_fmt, G_, U_, W, x, act, mode, thr, cand):
     """(y, survivors) in float64; cand: candidate neurons or None for all."""
     xe = quantized_x(x) if gu_fmt in ("q4", "q5") else x.astype(np.float64)
-    g, u = G_ @ xe, U_ @ xe
+    g, u = G_.dot(x, xe), U_.dot(x, xe)
     if act == "gelu":           # GeGLU's 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), as g sigmoid(2 z):
         # the same function; exp in float32 as the kernel's expf, which overflows (h exactly 0)
         # for g below about -10, where h is under 1e-37 anyway
@@ -235,7 +256,9 @@ def test_down_as_row_dots_over_w_down(isa, dn_fmt, n, d):
     assert np.array_equal(idx, keep)
     hq = np.zeros(n, np.float32)
     hq[idx] = hv
-    want_rows = quantized_x(hq) @ W.astype(np.float64)
+    _, rows = blocks.from_transposed_r(df, dparts)      # W_down's mins meet h itself
+    mins = centre(rows, 8).T if "min" in rows else np.zeros(W.shape)
+    want_rows = quantized_x(hq) @ (W.astype(np.float64) - mins) + hq.astype(np.float64) @ mins
     outs = {}
     for rows_from, threads in ((0.4, 1), (0.4, 2), (0.6, 1)):
         ffn = SparseFFN((gf, gparts), (df, dparts), n, d, threads=threads, down_rows="transpose",

@@ -25,6 +25,9 @@ def _load():
     lib.pinfer_ffn_batch.restype = c_int
     lib.pinfer_sparse_isa.argtypes = [c_int]
     lib.pinfer_sparse_isa.restype = c_int
+    for fn in ("pinfer_attn_call", "pinfer_head_call", "pinfer_attn_work", "pinfer_head_work"):
+        getattr(lib, fn).argtypes = [p]
+        getattr(lib, fn).restype = i64 if fn.endswith("_work") else c_int
     return lib
 
 
@@ -34,7 +37,8 @@ class _Library:
 
     def __getattr__(self, name):
         lib = _load()
-        for fn in ("pinfer_down", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa"):
+        for fn in ("pinfer_down", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa", "pinfer_attn_call",
+                   "pinfer_head_call", "pinfer_attn_work", "pinfer_head_work"):
             setattr(self, fn, getattr(lib, fn))
         return getattr(lib, name)
 

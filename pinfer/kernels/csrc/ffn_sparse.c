@@ -35,43 +35,28 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dots.h"
 #include "half.h"
 #include "pool.h"
 #include <stdatomic.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define PINFER_X86 1
-#endif
-#if defined(PINFER_X86) && !defined(__clang__)
-#define PINFER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PINFER_CLONES
-#endif
 
-#define G 32
 #define MAX_D 65536
 /* Loops over fewer weights than this run on the calling thread alone. The pool's workers spin
    through a call, so a loop pays no wake-up, only the hand-out of its ranges. SmolLM2's loops
    (576 x 1536) were all under the former limit of 1M weights; from 256k they take both threads:
    benchmarks/decode_profile.py's kernel time per token on 2 threads went from 4.60 to 3.17 ms, and
-   benchmarks/sparse_kernel.py --shapes smollm2 --formats int4 --fractions 1 from 14.2 to 16.7 GB/s. */
-#define PARALLEL_WORK (1 << 18)
+   benchmarks/sparse_kernel.py --shapes smollm2 --formats int4 --fractions 1 from 14.2 to 16.7 GB/s.
+   (PARALLEL_WORK is in dots.h: decode.c's loops share it.) */
 
 enum { FMT_Q8 = 0, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5, FMT_Q5 = 6 };  /* as in ffn_down.c;
                                                                                     q5: gate/up only */
 enum { MODE_DENSE = 0, MODE_DOWN = 1, MODE_PREDICTED = 2, MODE_RELU = 3, MODE_GIVEN = 4 };
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 /* -- activations --------------------------------------------------------------------------- */
 
-typedef struct {
-    int8_t *q;      /* (d) in chunk order, see above */
-    float *scale;   /* (d/G) */
-    float *lanes;   /* (d/8): each group's scale four times, one per 32-bit lane of its sums */
-    float *sum;     /* (d/G) scale * sum of the group's q: meets the weights' min */
-} qx_t;
+/* qx_t (dots.h): x quantized per group of 32, in chunk order (above) */
 
 /* Position of element e of group g (of ng groups) in chunk order. */
 static inline int64_t chunk_pos(int64_t g, int64_t e, int64_t ng) {
@@ -86,17 +71,41 @@ static void quantize_x(const float *x, int64_t d, qx_t *o) {
         for (int64_t e = 0; e < G; e++) amax = fmaxf(amax, fabsf(x[g * G + e]));
         const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
         int8_t *even = o->q + chunk_pos(g, 0, ng), *odd = o->q + chunk_pos(g, 1, ng);
-        int32_t total = 0;
+        float total = 0.0f;
         for (int64_t e = 0; e < G / 2; e++) {
-            const int a = (int)lrintf(x[g * G + 2 * e] * inv), b = (int)lrintf(x[g * G + 2 * e + 1] * inv);
-            even[e] = (int8_t)a;
-            odd[e] = (int8_t)b;
-            total += a + b;
+            even[e] = (int8_t)lrintf(x[g * G + 2 * e] * inv);
+            odd[e] = (int8_t)lrintf(x[g * G + 2 * e + 1] * inv);
+            total += x[g * G + 2 * e] + x[g * G + 2 * e + 1];
         }
         o->scale[g] = s;
-        o->sum[g] = s * (float)total;
+        o->sum[g] = total;      /* of x itself: a weight's min meets x exactly, as in the ONNX graphs */
         for (int k = 0; k < 4; k++) o->lanes[4 * g + k] = s;
     }
+    /* the offsets: -8 * the q each lane of the integer sums meets (byte b of a chunk's even plane
+       and of its odd plane feed 32-bit lane b/4 and 16-bit lane b/2 of that chunk's sums) */
+    for (int64_t c0 = 0; c0 < ng; c0 += 4) {
+        const int64_t k = ng - c0 < 4 ? ng - c0 : 4;
+        const int8_t *even = o->q + c0 * G, *odd = even + 16 * k;
+        for (int64_t l = 0; l < 4 * k; l++) o->off[4 * c0 + l] = 0;
+        for (int64_t b = 0; b < 16 * k; b += 2) {
+            const int v = even[b] + even[b + 1] + odd[b] + odd[b + 1];
+            o->off16[8 * c0 + b / 2] = (int16_t)(-8 * v);
+            o->off[4 * c0 + b / 4] -= 8 * v;
+        }
+    }
+}
+
+int64_t pinfer_qx_bytes(int64_t d) {
+    return (int64_t)sizeof(float) * (d / G * 2 + d / 8) + (int64_t)sizeof(int32_t) * (d / 8) +
+           (int64_t)sizeof(int16_t) * (d / 4) + d;
+}
+
+qx_t pinfer_qx_at(void *mem, int64_t d) {
+    float *f = mem;
+    int32_t *off = (int32_t *)(f + d / G * 2 + d / 8);
+    int16_t *off16 = (int16_t *)(off + d / 8);
+    const qx_t qx = {(int8_t *)(off16 + d / 4), f, f + d / G * 2, f + d / G, off, off16};
+    return qx;
 }
 
 /* -- int4 x int8 row dots -------------------------------------------------------------------- */
@@ -108,14 +117,13 @@ static inline uint32_t fifth_bits(const uint8_t *qh, int64_t g) {
     return w;
 }
 
-/* The weight of a min-less row at q = 0: -8 * scale for q4, -16 * scale for q5 (qh not NULL). */
-#define NO_MIN(qh) ((qh) ? -16.0f : -8.0f)
 
 /* Dot of one q4 row (q5 with its fifth bits qh, else NULL) with the quantized x, before the min
    term: sum over groups of scale_w[g] * scale_x[g] * sum(q * xq). */
 static float dot_q4_portable(const uint8_t *q, const uint8_t *qh, const uint16_t *scale, const uint16_t *min,
                              const qx_t *x, int64_t d) {
     const int64_t ng = d / G;
+    const int off = qh ? 16 : 8;     /* the zero point, in the integer sums (rows_q4_avx512 says why) */
     float acc = 0.0f;
     for (int64_t g = 0; g < ng; g++) {
         int32_t s = 0;
@@ -123,106 +131,98 @@ static float dot_q4_portable(const uint8_t *q, const uint8_t *qh, const uint16_t
         for (int64_t k = 0; k < 16; k++) {
             const uint8_t b = q[g * 16 + k];
             const int lo = (b & 15) | (int)((h >> k) & 1) << 4, hi = (b >> 4) | (int)((h >> (16 + k)) & 1) << 4;
-            s += lo * x->q[chunk_pos(g, 2 * k, ng)] + hi * x->q[chunk_pos(g, 2 * k + 1, ng)];
+            s += (lo - off) * x->q[chunk_pos(g, 2 * k, ng)] + (hi - off) * x->q[chunk_pos(g, 2 * k + 1, ng)];
         }
         acc += HALF(((const half_t *)scale)[g]) * x->scale[g] * (float)s;
     }
-    /* the min term: sum over groups of min * scale_x * sum(xq); without min, min = NO_MIN * scale */
-    const half_t *mn = (const half_t *)(min ? min : scale);
-    float m = 0.0f;
-    for (int64_t g = 0; g < ng; g++) m += HALF(mn[g]) * x->sum[g];
-    return acc + (min ? 1.0f : NO_MIN(qh)) * m;
+    if (!min) return acc;
+    float m = 0.0f;     /* the min term: sum over groups of (min + zero point * scale) * sum(x) */
+    for (int64_t g = 0; g < ng; g++)
+        m += (HALF(((const half_t *)min)[g]) + (float)off * HALF(((const half_t *)scale)[g])) * x->sum[g];
+    return acc + m;
 }
 
 #ifdef PINFER_X86
-__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c")))
-static float dot_q4_avx512(const uint8_t *q, const uint8_t *qh, const uint16_t *scale, const uint16_t *min,
-                           const qx_t *x, int64_t d, const uint8_t *next) {
-    const int64_t ng = d / G;
+#define AVX512_DOTS "avx512f,avx512bw,avx512vnni,avx512vl,f16c,fma"
+
+/* q5's fifth bits of the k groups from g: a byte mask per nibble plane (16 bits per group). */
+__attribute__((target(AVX512_DOTS), always_inline))
+static inline void fifth_masks(const uint8_t *qh, int64_t g, int64_t k, __mmask64 *even, __mmask64 *odd) {
+    uint64_t me = 0, mo = 0;
+    for (int64_t i = 0; i < k; i++) {
+        const uint32_t h = fifth_bits(qh, g + i);
+        me |= (uint64_t)(h & 0xffff) << (16 * i);
+        mo |= (uint64_t)(h >> 16) << (16 * i);
+    }
+    *even = me;
+    *odd = mo;
+}
+
+__attribute__((target(AVX512_DOTS), always_inline))
+static inline float hsum128(__m128 v) {
+    const __m128 h = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+/* One chunk of k groups (k = 4 but at the end of a row) of R rows: the loop body of
+   rows_q4_avx512, inlined with k a constant in its main loop (no masks computed there). */
+__attribute__((target(AVX512_DOTS), always_inline))
+static inline void chunk_avx512(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t g,
+                                const int64_t k, __m512 *acc, __m128 *macc, const uint8_t *next, int64_t nstride) {
     const __m512i low4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; g += 4) {
-        if (next) _mm_prefetch((const char *)(next + g * 16), _MM_HINT_T0);
-        const int64_t k = ng - g < 4 ? ng - g : 4;
-        const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
-        const __m512i v = _mm512_maskz_loadu_epi8(m, q + g * 16);
-        const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + g * G);
-        const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + g * G + 16 * k);
+    const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
+    const __mmask16 m4 = (__mmask16)((1u << (4 * k)) - 1);
+    const __mmask8 m1 = (__mmask8)((1u << k) - 1);
+    const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + g * G);
+    const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + g * G + 16 * k);
+    const __m512 lanes = _mm512_maskz_loadu_ps(m4, x->lanes + 4 * g);
+    __m512i off = _mm512_maskz_loadu_epi32(m4, x->off + 4 * g);
+    if (QH) off = _mm512_slli_epi32(off, 1);
+    const __m128 xs = MIN ? _mm_maskz_loadu_ps(m1, x->sum + g) : _mm_setzero_ps();
+    if (next)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(next + r * nstride + g * 16), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m512i v = _mm512_maskz_loadu_epi8(m, w->q[r] + g * 16);
         __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if (qh) {   /* the fifth bits: a byte mask per nibble plane, 16 bits per group */
-            uint64_t me = 0, mo = 0;
-            for (int64_t i = 0; i < k; i++) {
-                const uint32_t h = fifth_bits(qh, g + i);
-                me |= (uint64_t)(h & 0xffff) << (16 * i);
-                mo |= (uint64_t)(h >> 16) << (16 * i);
-            }
+        if (QH) {
+            __mmask64 me, mo;
+            fifth_masks(w->qh[r], g, k, &me, &mo);
             lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(me, sixteen));
             hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mo, sixteen));
         }
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe);
+        __m512i s = _mm512_dpbusd_epi32(off, lo, xe);
         s = _mm512_dpbusd_epi32(s, hi, xo);
-        const __mmask16 m4 = (__mmask16)((1u << (4 * k)) - 1);
-        const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_castsi128_si256(
-            _mm_maskz_loadu_epi16((__mmask8)((1u << k) - 1), scale + g))));
-        const __m512 f = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(m4, x->lanes + 4 * g));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc);
+        const __m128 sw4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(m1, w->scale[r] + g));
+        const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sw4));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sw, lanes), acc[r]);
+        if (MIN)    /* min + zero point * scale, against x itself */
+            macc[r] = _mm_fmadd_ps(_mm_fmadd_ps(sw4, _mm_set1_ps(QH ? 16.0f : 8.0f),
+                                                _mm_cvtph_ps(_mm_maskz_loadu_epi16(m1, w->min[r] + g))), xs, macc[r]);
     }
-    /* the min term: sum over groups of min * scale_x * sum(xq); without min, min = NO_MIN * scale */
-    const uint16_t *mn = min ? min : scale;
-    __m512 macc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; g += 16) {
-        const __mmask16 m = ng - g >= 16 ? 0xffff : (__mmask16)((1u << (ng - g)) - 1);
-        macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mn + g)),
-                               _mm512_maskz_loadu_ps(m, x->sum + g), macc);
-    }
-    return _mm512_reduce_add_ps(acc) + (min ? 1.0f : NO_MIN(qh)) * _mm512_reduce_add_ps(macc);
 }
 
-/* Four q4 rows (q, scale, min advancing by the strides qs and ss per row) against one x in one
-   pass: each x chunk is loaded once for the four, and four rows stream at once. Each sum is
-   computed as dot_q4_avx512 computes it alone (the same bits). next: four rows (stride qs) to
-   prefetch meanwhile, or NULL. */
-__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c")))
-static void dot4_q4_avx512(const uint8_t *q, int64_t qs, const uint16_t *scale, const uint16_t *min, int64_t ss,
-                           const qx_t *x, int64_t d, float *out, const uint8_t *next) {
+/* R rows (R constant where inlined) against one quantized x, four groups (64 weight bytes a row)
+   per step: each load of x serves the R rows. Every row meets x as scale * (q - z), z the zero
+   point (8, or 16 for q5), which is in the integer sums from the start (x->off); a row with a min
+   adds (min + z * scale) * sum(x) per group, x itself (as the ONNX graphs do: the centred part
+   against int8 x errs less than q * scale would).
+   next: rows to prefetch meanwhile (R of them, nstride bytes apart), or NULL. */
+__attribute__((target(AVX512_DOTS), always_inline))
+static inline void rows_q4_avx512(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x,
+                                  int64_t d, float *out, const uint8_t *next, int64_t nstride) {
     const int64_t ng = d / G;
-    const __m512i low4 = _mm512_set1_epi8(15);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    for (int64_t g = 0; g < ng; g += 4) {
-        const int64_t k = ng - g < 4 ? ng - g : 4;
-        const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
-        const __mmask16 m4 = (__mmask16)((1u << (4 * k)) - 1);
-        const __mmask8 m1 = (__mmask8)((1u << k) - 1);
-        const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + g * G);
-        const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + g * G + 16 * k);
-        const __m512 lanes = _mm512_maskz_loadu_ps(m4, x->lanes + 4 * g);
-        if (next)
-            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(next + r * qs + g * 16), _MM_HINT_T0);
-#define PINFER_ROW(r, acc)                                                                                    \
-        {                                                                                                    \
-            const __m512i v = _mm512_maskz_loadu_epi8(m, q + (r) * qs + g * 16);                                \
-            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, low4), xe);          \
-            s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), xo);                \
-            const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_castsi128_si256(          \
-                _mm_maskz_loadu_epi16(m1, scale + (r) * ss + g))));                                          \
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sw, lanes), acc);                     \
-        }
-        PINFER_ROW(0, acc0) PINFER_ROW(1, acc1) PINFER_ROW(2, acc2) PINFER_ROW(3, acc3)
-#undef PINFER_ROW
-    }
-    const __m512 accs[4] = {acc0, acc1, acc2, acc3};
-    for (int r = 0; r < 4; r++) {
-        const uint16_t *mn = (min ? min : scale) + r * ss;
-        __m512 macc = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ng; g += 16) {
-            const __mmask16 mm = ng - g >= 16 ? 0xffff : (__mmask16)((1u << (ng - g)) - 1);
-            macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mm, mn + g)),
-                                   _mm512_maskz_loadu_ps(mm, x->sum + g), macc);
-        }
-        out[r] = _mm512_reduce_add_ps(accs[r]) + (min ? 1.0f : -8.0f) * _mm512_reduce_add_ps(macc);
-    }
+    const __m512 z = _mm512_setzero_ps();
+    const __m128 z4 = _mm_setzero_ps();
+    __m512 acc[4] = {z, z, z, z};
+    __m128 macc[4] = {z4, z4, z4, z4};
+    int64_t g = 0;
+    for (; g + 4 <= ng; g += 4) chunk_avx512(R, MIN, QH, w, x, g, 4, acc, macc, next, nstride);
+    if (g < ng) chunk_avx512(R, MIN, QH, w, x, g, ng - g, acc, macc, next, nstride);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + (MIN ? hsum128(macc[r]) : 0.0f);
 }
 
 /* 0x10 in byte j where bit j of m is set (the fifth bits of two groups' nibble plane). */
@@ -234,63 +234,111 @@ static inline __m256i sixteens_avx2(uint32_t m) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
 }
 
-__attribute__((target("avx2,fma,f16c")))
-static float dot_q4_avx2(const uint8_t *q, const uint8_t *qh, const uint16_t *scale, const uint16_t *min,
-                         const qx_t *x, int64_t d) {
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline float hsum256(__m256 acc) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
+/* rows_q4_avx512 on AVX2: two groups (32 weight bytes a row) per step by pmaddubsw, the zero
+   point's offset added to the 16-bit pair sums (x->off16; |sums| stay under 2^15: at most
+   2 * 2 * 31 * 127 + 16 * 4 * 127). */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void rows_q4_avx2(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t d,
+                                float *out) {
     const int64_t ng = d / G;
-    const __m128i low4 = _mm_set1_epi8(15);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g += 2) { /* two groups: 32 weight bytes, 64 activations */
-        if (ng - g < 2) {
-            /* one group left: the chunk holds k groups; this is group (g % 4) of it */
-            const int64_t c0 = g / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, i = g - c0;
-            const __m128i v = _mm_loadu_si128((const __m128i *)(q + g * 16));
-            const __m128i xe = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * i));
-            const __m128i xo = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * k + 16 * i));
+    const __m256i l4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256 z = _mm256_setzero_ps();
+    const __m128 z4 = _mm_setzero_ps();
+    __m256 acc[4] = {z, z, z, z};
+    __m128 macc[4] = {z4, z4, z4, z4};
+    int64_t g = 0;
+    for (; g + 2 <= ng; g += 2) {
+        const int64_t c0 = g / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, i = g - c0;
+        const __m256i xe = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * i));
+        const __m256i xo = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * k + 16 * i));
+        __m256i off = _mm256_loadu_si256((const __m256i *)(x->off16 + 8 * c0 + 8 * i));
+        if (QH) off = _mm256_slli_epi16(off, 1);
+        const __m256 lanes = _mm256_loadu_ps(x->lanes + 4 * g);
+        const __m128 xs = _mm_castpd_ps(_mm_load_sd((const double *)(x->sum + g)));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w->q[r] + g * 16));
+            __m256i lo = _mm256_and_si256(v, l4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), l4);
+            if (QH) {
+                const uint32_t h0 = fifth_bits(w->qh[r], g), h1 = fifth_bits(w->qh[r], g + 1);
+                lo = _mm256_or_si256(lo, sixteens_avx2((h0 & 0xffff) | h1 << 16));
+                hi = _mm256_or_si256(hi, sixteens_avx2(h0 >> 16 | (h1 & 0xffff0000u)));
+            }
+            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            p = _mm256_add_epi16(p, off);
+            int32_t sc2;
+            memcpy(&sc2, w->scale[r] + g, 4);
+            const __m128 sw2 = _mm_cvtph_ps(_mm_cvtsi32_si128(sc2));
+            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(sw2), spread);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_mul_ps(sw, lanes), acc[r]);
+            if (MIN) {
+                int32_t mn2;
+                memcpy(&mn2, w->min[r] + g, 4);
+                macc[r] = _mm_fmadd_ps(_mm_fmadd_ps(sw2, _mm_set1_ps(QH ? 16.0f : 8.0f),
+                                                    _mm_cvtph_ps(_mm_cvtsi32_si128(mn2))), xs, macc[r]);
+            }
+        }
+    }
+    if (g < ng) {   /* one group left: the chunk holds k groups; this is group i of it */
+        const int64_t c0 = g / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, i = g - c0;
+        const __m128i xe = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * i));
+        const __m128i xo = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * k + 16 * i));
+        const __m128i off = _mm_loadu_si128((const __m128i *)(x->off16 + 8 * c0 + 8 * i));
+        const __m128i low4 = _mm_set1_epi8(15);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(w->q[r] + g * 16));
             __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-            if (qh) {
-                const __m256i h = sixteens_avx2(fifth_bits(qh, g));   /* evens in the low half */
+            if (QH) {
+                const __m256i h = sixteens_avx2(fifth_bits(w->qh[r], g));   /* evens in the low half */
                 lo = _mm_or_si128(lo, _mm256_castsi256_si128(h));
                 hi = _mm_or_si128(hi, _mm256_extracti128_si256(h, 1));
             }
-            const __m128i p = _mm_add_epi16(_mm_maddubs_epi16(lo, xe), _mm_maddubs_epi16(hi, xo));
-            const __m128i s = _mm_madd_epi16(p, _mm_set1_epi16(1));
-            const float f = HALF(((const half_t *)scale)[g]) * x->scale[g];
-            acc = _mm256_add_ps(acc, _mm256_insertf128_ps(_mm256_setzero_ps(),
-                                                          _mm_mul_ps(_mm_cvtepi32_ps(s), _mm_set1_ps(f)), 0));
-            break;
+            __m128i p = _mm_add_epi16(_mm_maddubs_epi16(lo, xe), _mm_maddubs_epi16(hi, xo));
+            p = _mm_add_epi16(p, QH ? _mm_slli_epi16(off, 1) : off);
+            const float sg = HALF(((const half_t *)w->scale[r])[g]), f = sg * x->scale[g];
+            const __m128 s = _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(p, _mm_set1_epi16(1))), _mm_set1_ps(f));
+            acc[r] = _mm256_add_ps(acc[r], _mm256_insertf128_ps(_mm256_setzero_ps(), s, 0));
+            if (MIN)
+                macc[r] = _mm_add_ss(macc[r], _mm_set_ss((HALF(((const half_t *)w->min[r])[g]) + (QH ? 16.0f : 8.0f) * sg) *
+                                                         x->sum[g]));
         }
-        const int64_t c0 = g / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, i = g - c0;
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + g * 16));
-        const __m256i xe = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * i));
-        const __m256i xo = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * k + 16 * i));
-        const __m256i l4 = _mm256_set_m128i(low4, low4);
-        __m256i lo = _mm256_and_si256(v, l4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), l4);
-        if (qh) {
-            const uint32_t h0 = fifth_bits(qh, g), h1 = fifth_bits(qh, g + 1);
-            lo = _mm256_or_si256(lo, sixteens_avx2((h0 & 0xffff) | h1 << 16));
-            hi = _mm256_or_si256(hi, sixteens_avx2(h0 >> 16 | (h1 & 0xffff0000u)));
-        }
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-        const __m256i s = _mm256_madd_epi16(p, ones); /* lanes 0-3: group g, 4-7: group g+1 */
-        const float f0 = HALF(((const half_t *)scale)[g]) * x->scale[g];
-        const float f1 = HALF(((const half_t *)scale)[g + 1]) * x->scale[g + 1];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_setr_ps(f0, f0, f0, f0, f1, f1, f1, f1), acc);
     }
-    const uint16_t *mn = min ? min : scale;
-    __m256 macc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= ng; g += 8)
-        macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g))),
-                               _mm256_loadu_ps(x->sum + g), macc);
-    acc = _mm256_fmadd_ps(macc, _mm256_set1_ps(min ? 1.0f : NO_MIN(qh)), acc);
-    float tail = 0.0f;
-    for (; g < ng; g++) tail += HALF(((const half_t *)mn)[g]) * x->sum[g];
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + (min ? 1.0f : NO_MIN(qh)) * tail;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m128 m = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
+        out[r] = hsum256(acc[r]) + _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+    }
 }
+
+/* The row counts the callers use (1, 2, 4), with and without mins and fifth bits: each a function of
+   its own, R, MIN and QH constants in it. */
+#define PINFER_ROWS(R, MIN, QH)                                                                             \
+    __attribute__((target(AVX512_DOTS))) static void rows_avx512_##R##MIN##QH(                             \
+        const rows4_t *w, const qx_t *x, int64_t d, float *out, const uint8_t *next, int64_t ns) {           \
+        rows_q4_avx512(R, MIN, QH, w, x, d, out, next, ns);                                                 \
+    }                                                                                                      \
+    __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_##R##MIN##QH(                           \
+        const rows4_t *w, const qx_t *x, int64_t d, float *out) {                                           \
+        rows_q4_avx2(R, MIN, QH, w, x, d, out);                                                             \
+    }
+#define PINFER_ROWS_R(R) PINFER_ROWS(R, 0, 0) PINFER_ROWS(R, 0, 1) PINFER_ROWS(R, 1, 0) PINFER_ROWS(R, 1, 1)
+PINFER_ROWS_R(1) PINFER_ROWS_R(2) PINFER_ROWS_R(4)
+typedef void (*rows_avx512_fn)(const rows4_t *, const qx_t *, int64_t, float *, const uint8_t *, int64_t);
+typedef void (*rows_avx2_fn)(const rows4_t *, const qx_t *, int64_t, float *);
+#define PINFER_ROWS_TABLE(isa, R) {rows_##isa##_##R##00, rows_##isa##_##R##01, rows_##isa##_##R##10, rows_##isa##_##R##11}
+static const rows_avx512_fn rows_avx512[3][4] = {PINFER_ROWS_TABLE(avx512, 1), PINFER_ROWS_TABLE(avx512, 2),
+                                                 PINFER_ROWS_TABLE(avx512, 4)};
+static const rows_avx2_fn rows_avx2[3][4] = {PINFER_ROWS_TABLE(avx2, 1), PINFER_ROWS_TABLE(avx2, 2),
+                                             PINFER_ROWS_TABLE(avx2, 4)};
 #endif
 
 static int isa = -1;
@@ -315,15 +363,31 @@ int pinfer_sparse_isa(int want) {
     return isa;
 }
 
+static void dot_rows(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out, const uint8_t *next,
+                     int64_t nstride) {
+#ifdef PINFER_X86
+    const int r = R == 4 ? 2 : R - 1, kind = (w->min[0] != NULL) * 2 + (w->qh[0] != NULL);  /* rows share a format */
+    if (isa == ISA_AVX512) {
+        rows_avx512[r][kind](w, x, d, out, next, nstride);
+        return;
+    }
+    if (isa == ISA_AVX2) {
+        rows_avx2[r][kind](w, x, d, out);
+        return;
+    }
+#endif
+    (void)next, (void)nstride;
+    for (int r = 0; r < R; r++) out[r] = dot_q4_portable(w->q[r], w->qh[r], w->scale[r], w->min[r], x, d);
+}
+
 /* `next`: a row of as many bytes to prefetch while this one is read (the next candidate's: a
    gather's rows are short streams the hardware prefetcher does not follow in time), or NULL. */
 static float dot_q4(const uint8_t *q, const uint8_t *qh, const uint16_t *scale, const uint16_t *min, const qx_t *x,
                     int64_t d, const uint8_t *next) {
-#ifdef PINFER_X86
-    if (isa == ISA_AVX512) return dot_q4_avx512(q, qh, scale, min, x, d, next);
-    if (isa == ISA_AVX2) return dot_q4_avx2(q, qh, scale, min, x, d);
-#endif
-    return dot_q4_portable(q, qh, scale, min, x, d);
+    const rows4_t w = {{q}, {qh}, {scale}, {min}};
+    float out;
+    dot_rows(1, &w, x, d, &out, next, 0);
+    return out;
 }
 
 #ifdef PINFER_X86
@@ -451,11 +515,39 @@ static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, i
         const uint16_t *sc = f->gu_scale + j * 2 * ng, *mn = f->gu_min ? f->gu_min + j * 2 * ng : NULL;
         const uint8_t *pf = next >= 0 ? (const uint8_t *)f->gu_q + next * d : NULL;
         const uint8_t *qh = f->gu_fmt == FMT_Q5 ? f->gu_qh + j * (d / 4) : NULL;  /* 2 rows of d/8 bytes */
-        g = dot_q4(q, qh, sc, mn, qx, d, pf);
-        if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
-        u = dot_q4(q + d / 2, qh ? qh + d / 8 : NULL, sc + ng, mn ? mn + ng : NULL, qx, d, pf ? pf + d / 2 : NULL);
+        if (f->act == ACT_RELU || d > SHORT_ROW) {   /* the up row only where a ReLU gate passes */
+            g = dot_q4(q, qh, sc, mn, qx, d, pf);
+            if (f->act == ACT_RELU && g <= 0.0f) return 0.0f;
+            u = dot_q4(q + d / 2, qh ? qh + d / 8 : NULL, sc + ng, mn ? mn + ng : NULL, qx, d, pf ? pf + d / 2 : NULL);
+        } else {                    /* both rows in one pass over x */
+            const rows4_t w = {{q, q + d / 2}, {qh, qh ? qh + d / 8 : NULL}, {sc, sc + ng},
+                               {mn, mn ? mn + ng : NULL}};
+            float gu[2];
+            dot_rows(2, &w, qx, d, gu, pf, d / 2);
+            g = gu[0];
+            u = gu[1];
+        }
     }
     return rule(f->act, g, u, mode, thr);
+}
+
+/* h of neurons j and j + 1 (short q4/q5 rows, no ReLU) into out[0..1]: their four rows, consecutive
+   in the bundle, in one pass over x; the rows PAIR_AHEAD neurons on are prefetched meanwhile
+   (unless past n), so that memory is read ahead of the hardware prefetcher. */
+#define PAIR_AHEAD 16
+static void neuron_pair(const ffn_t *f, int64_t j, int64_t n, const qx_t *qx, int mode, float thr, float *out) {
+    const int64_t d = f->d, ng = d / G;
+    rows4_t w;
+    for (int r = 0; r < 4; r++) {
+        w.q[r] = (const uint8_t *)f->gu_q + j * d + r * (d / 2);
+        w.qh[r] = f->gu_fmt == FMT_Q5 ? f->gu_qh + j * (d / 4) + r * (d / 8) : NULL;
+        w.scale[r] = f->gu_scale + (2 * j + r) * ng;
+        w.min[r] = f->gu_min ? f->gu_min + (2 * j + r) * ng : NULL;
+    }
+    float gu[4];
+    dot_rows(4, &w, qx, d, gu, j + PAIR_AHEAD + 2 <= n ? w.q[0] + PAIR_AHEAD * d : NULL, d / 2);
+    out[0] = rule(f->act, gu[0], gu[1], mode, thr);
+    out[1] = rule(f->act, gu[2], gu[3], mode, thr);
 }
 
 /* p (ng groups of 32, nibble order) += sum over rows r < R, in order, of a[r][g] * nibbles of q4
@@ -822,8 +914,16 @@ static void pred_scores(void *p, int64_t j0, int64_t j1) {
 static void gate_up_one(void *p, int64_t k0, int64_t k1) {
     work_t *w = p;
     const ffn_call_t *a = w->a;
-    for (int64_t k = k0; k < k1; k++)
-        a->val[k] = neuron(w->f, a->idx[k], a->x, w->qx, a->mode, a->thr, prefetch_row(a->idx, k, w->m));
+    const ffn_t *f = w->f;
+    const int pairs = (f->gu_fmt == FMT_Q4 || f->gu_fmt == FMT_Q5) && f->act != ACT_RELU && f->d <= SHORT_ROW;
+    for (int64_t k = k0; k < k1; k++) {
+        if (pairs && k + 1 < k1 && a->idx[k + 1] == a->idx[k] + 1) {
+            neuron_pair(f, a->idx[k], a->n, w->qx, a->mode, a->thr, a->val + k);
+            k++;
+        } else {
+            a->val[k] = neuron(f, a->idx[k], a->x, w->qx, a->mode, a->thr, prefetch_row(a->idx, k, w->m));
+        }
+    }
 }
 
 /* A batch's gate/up and rule over the union: each neuron's rows for every token that computes it. */
@@ -842,57 +942,43 @@ static void gate_up_union(void *p, int64_t k0, int64_t k1) {
     }
 }
 
-/* y[i] of each token = row i of W_down . its quantized h; on AVX-512 the index counts blocks of
-   four rows, which share the loads of h (d is a multiple of 32). */
+/* y[i] of each token = row i of W_down . its quantized h; the index counts blocks of four rows,
+   which share the loads of h (d is a multiple of 32). */
 static void row_dots(void *p, int64_t b0, int64_t b1) {
     work_t *w = p;
     const rows_t *wd = &w->a->wd;
     const int64_t n = w->a->n, d = w->a->d, gn = n / G;
-#ifdef PINFER_X86
-    if (isa == ISA_AVX512) {
-        for (int64_t b = b0; b < b1; b++) {
-            const int64_t i = 4 * b;
-            const uint8_t *next = i + 4 < d ? wd->q + (i + 4) * (n / 2) : NULL;
-            for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
-                const int64_t t = __builtin_ctzll(bits);
-                dot4_q4_avx512(wd->q + i * (n / 2), n / 2, wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL, gn,
-                               &w->qx[t], n, w->y + t * d + i, next);
-                next = NULL;
-            }
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t i = 4 * b;
+        rows4_t rows;
+        for (int r = 0; r < 4; r++) {
+            rows.q[r] = wd->q + (i + r) * (n / 2);
+            rows.qh[r] = NULL;
+            rows.scale[r] = wd->scale + (i + r) * gn;
+            rows.min[r] = wd->min ? wd->min + (i + r) * gn : NULL;
         }
-        return;
-    }
-#endif
-    for (int64_t i = b0; i < b1; i++)
+        const uint8_t *next = i + 4 < d ? wd->q + (i + 4) * (n / 2) : NULL;
         for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
             const int64_t t = __builtin_ctzll(bits);
-            w->y[t * d + i] = dot_q4(wd->q + i * (n / 2), NULL, wd->scale + i * gn, wd->min ? wd->min + i * gn : NULL,
-                                     &w->qx[t], n, NULL);
+            dot_rows(4, &rows, &w->qx[t], n, w->y + t * d + i, next, n / 2);
+            next = NULL;
         }
+    }
 }
 
-static void run_row_dots(work_t *w, int threads) {
-    const int64_t d = w->a->d;
-#ifdef PINFER_X86
-    if (isa == ISA_AVX512) {
-        pinfer_parallel(threads, d / 4, row_dots, w);
-        return;
-    }
-#endif
-    pinfer_parallel(threads, d, row_dots, w);
-}
+static void run_row_dots(work_t *w, int threads) { pinfer_parallel(threads, w->a->d / 4, row_dots, w); }
 
 /* y = W_down h for a single call, h zero but for the survivors, quantized to int8 per group of 32
    neurons (as x is for the gate/up rows, and as MatMulNBits does). */
 static int down_rows(work_t *w, int threads) {
     const ffn_call_t *a = w->a;
-    const int64_t n = a->n, d = a->d, ng = n / G;
-    float *buf = malloc((size_t)n * sizeof(float) + (size_t)n + (size_t)(ng * 2 + n / 8) * sizeof(float));
+    const int64_t n = a->n, d = a->d;
+    float *buf = malloc((size_t)n * sizeof(float) + (size_t)pinfer_qx_bytes(n));
     if (!buf) return -1;
     float *h = buf;
     memset(h, 0, (size_t)n * sizeof(float));
     for (int64_t k = 0; k < w->s; k++) h[a->idx[k]] = a->val[k];
-    qx_t qh = {(int8_t *)(buf + n + ng * 2 + n / 8), buf + n, buf + n + ng, buf + n + ng + n / 8};
+    qx_t qh = pinfer_qx_at(buf + n, n);
     quantize_x(h, n, &qh);
     w->qx = &qh;
     w->tokens = 1;
@@ -926,11 +1012,11 @@ static int ffn_token(const ffn_call_t *a, int threads) {
     const int64_t n = a->n, d = a->d, r = a->r, mode = a->mode;
     const ffn_t f = {a->gu_fmt, a->down_fmt, a->act, a->gu_q, a->gu_scale, a->gu_min, a->gu_qh, a->dn_q,
                      a->dn_scale, a->dn_min, d};
-    /* quantized x: d bytes, then d/G scales, d/8 lane scales, d/G sums */
-    float *buf = malloc((size_t)d + (size_t)(d / G * 2 + d / 8) * sizeof(float) + (size_t)r * sizeof(float));
+    /* the predictor's hidden (r), then quantized x */
+    float *buf = malloc((size_t)r * sizeof(float) + (size_t)pinfer_qx_bytes(d));
     if (!buf) return -1;
-    qx_t qx = {(int8_t *)(buf + d / G * 2 + d / 8 + r), buf, buf + d / G, buf + d / G + d / 8};
-    work_t w = {.a = a, .f = &f, .nt = 1, .qx = &qx, .z = buf + d / G * 2 + d / 8, .score = a->val};
+    qx_t qx = pinfer_qx_at(buf + r, d);
+    work_t w = {.a = a, .f = &f, .nt = 1, .qx = &qx, .z = buf, .score = a->val};
     if (a->gu_fmt == FMT_Q4 || a->gu_fmt == FMT_Q5) quantize_x(a->x, d, &qx);
 
     /* candidates (the scores use val as scratch until the survivors overwrite it) */
@@ -1105,7 +1191,7 @@ static int ffn_batch(const ffn_call_t *a, int64_t nt, int threads) {
                      a->dn_scale, a->dn_min, d};
     /* per token: quantized x (and later h), predictor hidden; h of every token over all neurons;
        which tokens compute each neuron */
-    const int64_t qn = n > d ? n : d, qbytes = qn + (int64_t)sizeof(float) * (qn / G * 2 + qn / 8);
+    const int64_t qn = n > d ? n : d, qbytes = (pinfer_qx_bytes(qn) + 63) / 64 * 64;
     uint8_t *qmem = malloc((size_t)(nt * qbytes));
     float *z = malloc((size_t)(nt * (r ? r : 1)) * sizeof(float));
     float *H = calloc((size_t)(nt * n), sizeof(float));
@@ -1115,8 +1201,7 @@ static int ffn_batch(const ffn_call_t *a, int64_t nt, int threads) {
     int rc = -1;
     if (!qmem || !z || !H || !who || !u || !qx) goto done;
     for (int64_t t = 0; t < nt; t++) {
-        float *fl = (float *)(qmem + t * qbytes);
-        qx[t] = (qx_t){(int8_t *)(fl + qn / G * 2 + qn / 8), fl, fl + qn / G, fl + qn / G + qn / 8};
+        qx[t] = pinfer_qx_at(qmem + t * qbytes, qn);
         if (f.gu_fmt == FMT_Q4 || f.gu_fmt == FMT_Q5) quantize_x(a->x + t * d, d, &qx[t]);
     }
     work_t w = {.a = a, .f = &f, .nt = nt, .qx = qx, .z = z, .H = H};
@@ -1159,3 +1244,20 @@ int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
     pinfer_pool_leave(a->threads);
     return rc;
 }
+
+/* -- the row dots for decode.c (dots.h) ------------------------------------------------------- */
+
+void pinfer_quantize_x(const float *x, int64_t d, qx_t *o) { quantize_x(x, d, o); }
+
+void pinfer_dot_rows(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out) {
+    dot_rows(R, w, x, d, out, NULL, 0);
+}
+
+void pinfer_dot_rows_ahead(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out, const uint8_t *next,
+                           int64_t nstride) {
+    dot_rows(R, w, x, d, out, next, nstride);
+}
+
+float pinfer_dot_f16(const uint16_t *w, const float *x, int64_t d) { return dot_f16(w, x, d, NULL); }
+
+float pinfer_dot_f32(const float *w, const float *x, int64_t d) { return dot_f32(w, x, d); }

@@ -16,7 +16,7 @@
  *   predictor  w1 q8: q u8 (r, d), scale f16 (r, d/G); w2 q8, hot rows: q u8 (k, r), scale (k, r/G);
  *              b2 f32 (k); scores = w2 relu(w1 x) + b2
  *   x f32 (d) in; hid f32 (r); cand i32 (k) + count; gu f32 (k, 2); hval f32 (k) (0 where dropped);
- *   surv i32 (k) + nsurv; y f32 (d) out; xq i8 (d), xs f32 (d/G), xsum f32 (d/G): x quantized
+ *   surv i32 (k) + nsurv; y f32 (d) out; xq i8 (d), xs f32 (d/G), xsum f32 (d/G): x quantized, and each group's sum of x
  *
  * One numerics contract with the CPU kernel (pinfer/kernels/csrc/ffn_sparse.c), so that a rule picks the
  * same neurons on both: INT4 gate/up rows meet x quantized to int8 per group of 32 exactly as the
@@ -91,12 +91,12 @@ extern "C" __global__ void pinfer_quantize_x(const float *x, int d, signed char 
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float sc = amax / 127.0f, inv = sc > 0.0f ? 1.0f / sc : 0.0f;
     const int qv = __float2int_rn(__fmul_rn(v, inv));
-    int total = qv;
+    float total = v;        /* the sum of x itself: a weight's min meets x, as on the CPU */
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
     xq[g * G + lane] = (signed char)qv;
     if (lane == 0) {
         xs[g] = sc;
-        xsum[g] = sc * (float)total;
+        xsum[g] = total;
     }
 }
 
@@ -106,7 +106,8 @@ __device__ float row_dot(int fmt, const void *q, const f16 *s, const f16 *m, con
                          const float *x, const signed char *xq, const float *xs, const float *xsum, int d, int lane) {
     float acc = 0.0f;
     if (fmt == FMT_Q4 || fmt == FMT_Q5) {
-        /* a lane takes 4 bytes: 8 elements of one group, 4 lanes a group; the first adds the min term */
+        /* a lane takes 4 bytes: 8 elements of one group, 4 lanes a group; xq meets scale * (q - z), z the
+           zero point (8, or 16 for q5), and the group's first lane adds (min + z * scale) * sum(x) */
         const unsigned *w = (const unsigned *)((const u8 *)q + row * (d / 2));
         const unsigned *hr = fmt == FMT_Q5 ? (const unsigned *)(h + row * (d / 8)) : 0;
         const f16 *sr = s + row * (d / G), *mr = m ? m + row * (d / G) : 0;
@@ -114,15 +115,16 @@ __device__ float row_dot(int fmt, const void *q, const f16 *s, const f16 *m, con
             const unsigned v = w[t];
             const int e = 8 * t, g = e / G;
             const unsigned hw = hr ? hr[g] : 0u;
-            const float sc = h2f(sr[g]), mn = mr ? h2f(mr[g]) : (hr ? -16.0f : -8.0f) * sc;
+            const int z = hr ? 16 : 8;
+            const float sc = h2f(sr[g]), cm = mr ? h2f(mr[g]) + (float)z * sc : 0.0f;
             int part = 0;
             for (int i = 0; i < 4; i++) {
                 const unsigned b = (v >> (8 * i)) & 255u, k = (unsigned)(e % G) / 2 + i;   /* byte k of the group */
                 const int lo = (int)(b & 15u) | (int)((hw >> k) & 1u) << 4;
                 const int hi = (int)(b >> 4) | (int)((hw >> (16 + k)) & 1u) << 4;
-                part += lo * xq[e + 2 * i] + hi * xq[e + 2 * i + 1];
+                part += (lo - z) * xq[e + 2 * i] + (hi - z) * xq[e + 2 * i + 1];
             }
-            acc += sc * xs[g] * (float)part + (e % G == 0 ? mn * xsum[g] : 0.0f);
+            acc += sc * xs[g] * (float)part + (e % G == 0 ? cm * xsum[g] : 0.0f);
         }
     } else if (fmt == FMT_F16) {
         const unsigned *w = (const unsigned *)((const f16 *)q + row * d);

@@ -1,0 +1,133 @@
+"""The dense part of a decode step in C (pinfer/kernels/csrc/decode.c): a layer's attention and the
+head for one token, over weights and buffers checked here once; the bound calls pass one pointer."""
+
+import ctypes
+
+import numpy as np
+
+from pinfer.formats import schema as S
+
+from . import _check, _lib, _parts
+
+LINEAR_FORMATS = ("q4", "q5", "q8", "f16", "f32")
+P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    """linear_t of decode.c."""
+    _fields_ = [("fmt", ctypes.c_int), ("q", P), ("scale", P), ("min", P), ("qh", P), ("bias", P),
+                ("rows", I64), ("k", I64)]
+
+
+class _AttnCall(ctypes.Structure):
+    """attn_call_t of decode.c."""
+    _fields_ = [("qkv", _Linear), ("out", _Linear), ("attn_norm", P), ("ffn_norm", P), ("down_bias", P),
+                ("eps", F32), ("scale", F32), ("softcap", F32)] + \
+        [(n, I64) for n in ("d", "n_head", "n_kv", "hd", "rot", "n_ctx")] + [("interleaved", ctypes.c_int)] + \
+        [(n, P) for n in ("k_cache", "v_cache", "cos", "sin", "total")] + [("back", I64)] + \
+        [(n, P) for n in ("resid", "delta", "resid_out", "x_out", "work")] + [("threads", ctypes.c_int)]
+
+
+class _HeadCall(ctypes.Structure):
+    """head_call_t of decode.c."""
+    _fields_ = [("w", _Linear), ("norm", P), ("eps", F32), ("softcap", F32), ("d", I64), ("resid", P),
+                ("delta", P), ("logits", P), ("work", P), ("threads", ctypes.c_int)]
+
+
+def _vector(a, n, what):
+    if a is None:
+        return None
+    a = np.asarray(a)
+    _check(a, np.dtype(np.float32), (n,), what)
+    return a
+
+
+def linear(weight, rows, k, bias=None, what="weight"):
+    """A checked _Linear of the block-format weight (fmt, parts) of shape (rows, k), and the arrays
+    it points into (keep them alive with it)."""
+    fmt, parts = weight
+    if fmt != "f32" and k % S.GROUP:
+        raise ValueError(f"{what}: {k} columns are not whole groups of {S.GROUP}")
+    code, (q, scale, mn) = _parts(LINEAR_FORMATS, fmt, parts, rows, k, what)
+    qh = parts.get("qh")
+    bias = _vector(bias, rows, f"{what} bias")
+    ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
+    return _Linear(code, q, scale, mn, ptr(qh), ptr(bias), rows, k), (parts, bias)
+
+
+def _buffer(a, n, what, dtype=np.float32):
+    if a.dtype != dtype or not a.flags.c_contiguous or a.size != n:
+        raise ValueError(f"{what}: expected {n} contiguous {np.dtype(dtype)} values, got {a.dtype} {a.shape}")
+    return a.ctypes.data
+
+
+class AttentionStep:
+    """One layer's attention for one token (decode.c's pinfer_attn_call): (resid, delta) ->
+    (resid_out, x_out) as the layer graph computes them without its FFN, the KV cache written at
+    the position total - 1."""
+
+    def __init__(self, qkv, out, attn_norm, ffn_norm, *, n_head, n_kv, head_dim, rot, interleaved, eps,
+                 scale=0.0, softcap=0.0, qkv_bias=None, out_bias=None, down_bias=None, threads=1):
+        d = len(attn_norm)
+        if n_head % n_kv or not 0 < rot <= head_dim or rot % 2:
+            raise ValueError(f"{n_head} heads over {n_kv} kv heads with RoPE over {rot} of {head_dim} dims "
+                             "is not a shape the attention kernel takes")
+        n_qkv = (n_head + 2 * n_kv) * head_dim
+        self.qkv, keep_qkv = linear(qkv, n_qkv, d, qkv_bias, "attn_qkv")
+        self.out, keep_out = linear(out, d, n_head * head_dim, out_bias, "attn_output")
+        self.norms = tuple(_vector(v, d, name) for v, name in ((attn_norm, "attn_norm"), (ffn_norm, "ffn_norm"),
+                                                              (down_bias, "ffn_down bias")))
+        self.keep = (keep_qkv, keep_out)
+        self.shape = dict(d=d, n_head=n_head, n_kv=n_kv, hd=head_dim, rot=rot)
+        self.params = dict(eps=eps, scale=scale or head_dim ** -0.5, softcap=softcap, interleaved=int(interleaved))
+        self.threads = threads
+
+    def bind(self, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total, back=0):
+        """Fix the buffers (float32; k/v_cache (1, n_kv, n_ctx, head_dim), cos/sin (n_ctx, rot/2),
+        total an int32 scalar array: the cached length once the call is done, of which this token
+        is `back` from the end); returns a zero-argument callable."""
+        sh = self.shape
+        d, n_ctx = sh["d"], k_cache.shape[2]
+        ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
+        call = _AttnCall(self.qkv, self.out, *(ptr(v) for v in self.norms), self.params["eps"], self.params["scale"],
+                         self.params["softcap"], d, sh["n_head"], sh["n_kv"], sh["hd"], sh["rot"], n_ctx,
+                         self.params["interleaved"],
+                         *(_buffer(c, sh["n_kv"] * n_ctx * sh["hd"], name) for c, name in ((k_cache, "k cache"),
+                                                                                          (v_cache, "v cache"))),
+                         *(_buffer(t, n_ctx * (sh["rot"] // 2), name) for t, name in ((cos, "cos"), (sin, "sin"))),
+                         _buffer(total, 1, "total", np.int32), back,
+                         *(_buffer(a, d, name) for a, name in ((resid, "resid"), (delta, "delta"),
+                                                               (resid_out, "resid_out"), (x_out, "x_out"))),
+                         None, self.threads)
+        work = np.empty(_lib.pinfer_attn_work(ctypes.byref(call)), np.float32)
+        call.work = work.ctypes.data
+        ref, f = ctypes.byref(call), _lib.pinfer_attn_call
+
+        def run():
+            if f(ref):
+                raise ValueError("the attention kernel's position is outside the KV cache")
+        run.keep = (call, work, self, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total)
+        return run
+
+
+class HeadStep:
+    """The head for one token (decode.c's pinfer_head_call): logits = W RMSNorm(resid + delta)."""
+
+    def __init__(self, weight, norm, vocab, *, eps, softcap=0.0, threads=1):
+        self.d = len(norm)
+        self.w, self.keep = linear(weight, vocab, self.d, what="head")
+        self.norm = _vector(norm, self.d, "output_norm")
+        self.vocab, self.eps, self.softcap, self.threads = vocab, eps, softcap, threads
+
+    def bind(self, resid, delta, logits):
+        call = _HeadCall(self.w, self.norm.ctypes.data, self.eps, self.softcap, self.d,
+                         _buffer(resid, self.d, "resid"), _buffer(delta, self.d, "delta"),
+                         _buffer(logits, self.vocab, "logits"), None, self.threads)
+        work = np.empty(_lib.pinfer_head_work(ctypes.byref(call)), np.float32)
+        call.work = work.ctypes.data
+        ref, f = ctypes.byref(call), _lib.pinfer_head_call
+
+        def run():
+            f(ref)
+        run.keep = (call, work, self, resid, delta, logits)
+        return run

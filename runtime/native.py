@@ -1,0 +1,84 @@
+"""Decode's dense part through pinfer's C kernels (pinfer/kernels/decode.py) instead of ONNX Runtime,
+for the layers and heads of a kind they cover: RMSNorm, RoPE, attention over the whole context, no
+Gemma-style extra norms. For one token ONNX Runtime's fixed cost per session and node outweighed the
+bytes: on SmolLM2 the 30 attention sessions took ~3.3 ms a token for ~15 MB of weights. Prompts still
+run through ONNX Runtime's graphs, which fill the same KV cache; --dense-kernel off keeps every step
+there."""
+
+import numpy as np
+
+from pinfer.formats import schema as S
+from pinfer.kernels.decode import LINEAR_FORMATS, AttentionStep, HeadStep
+
+
+def refusal(reader, cfg, i=None):
+    """Why layer i (None: the head) cannot run through the C kernels, or None where it can."""
+    tensors, weights = reader.tensors, reader.header["weights"]
+    if cfg.norm == "layer":
+        return "LayerNorm"
+    if i is None:
+        if S.FFN_POST_NORM.format(cfg.n_layer - 1) in tensors:
+            return "a norm after the last FFN"
+        base = S.TOKEN_EMBD if cfg.tied_embeddings else S.OUTPUT
+        return None if weights.get(base) in LINEAR_FORMATS else f"a head in {weights.get(base)}"
+    if cfg.positions != "rope" or cfg.windowed(i) or cfg.n_head % cfg.n_head_kv:
+        return "an attention the kernel lacks (learned positions, a sliding window or uneven heads)"
+    extra = (S.ATTN_Q_NORM.format(i), S.ATTN_POST_NORM.format(i)) + ((S.FFN_POST_NORM.format(i - 1),) if i else ())
+    if any(name in tensors for name in extra):
+        return "per-head or post norms"
+    fmts = {weights.get(S.ATTN_QKV.format(i)), weights.get(S.ATTN_OUT.format(i))}
+    return None if fmts <= set(LINEAR_FORMATS) else f"attention weights in {sorted(map(str, fmts))}"
+
+
+def attention_steps(reader, cfg, threads):
+    """Per layer an AttentionStep, or None where refusal() says why not."""
+    def optional(name):
+        return reader.tensor(name) if name in reader.tensors else None
+    steps = []
+    for i in range(cfg.n_layer):
+        if refusal(reader, cfg, i):
+            steps.append(None)
+            continue
+        steps.append(AttentionStep(
+            reader.block(S.ATTN_QKV.format(i)), reader.block(S.ATTN_OUT.format(i)),
+            reader.tensor(S.ATTN_NORM.format(i)), reader.tensor(S.FFN_NORM.format(i)),
+            n_head=cfg.n_head, n_kv=cfg.n_head_kv, head_dim=cfg.head_dim, rot=cfg.rotary_dim,
+            interleaved=cfg.rope_interleaved, eps=cfg.norm_eps, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+            qkv_bias=optional(S.ATTN_QKV_BIAS.format(i)), out_bias=optional(S.ATTN_OUT_BIAS.format(i)),
+            down_bias=optional(S.FFN_DOWN_BIAS.format(i)), threads=threads))
+    return steps
+
+
+class Head:
+    """The head of a call's last row through the C kernels: head(resid, delta) -> logits (1, vocab)
+    of the last row of the model's buffers (Bufs in host memory), a copy; bound again when the
+    buffers change."""
+
+    def __init__(self, step, vocab):
+        self.step, self.logits, self.run, self.bound_to = step, np.empty(vocab, np.float32), None, None
+
+    def __call__(self, resid, delta):
+        if self.bound_to != (id(resid), id(delta)):
+            self.run = self.step.bind(resid.np[0, -1], delta.np[0, -1], self.logits)
+            self.bound_to = (id(resid), id(delta))
+        self.run()
+        return self.logits[None].copy()
+
+
+def head(reader, cfg, threads):
+    """The Head, or None where refusal() says why not."""
+    if refusal(reader, cfg):
+        return None
+    base = S.TOKEN_EMBD if cfg.tied_embeddings else S.OUTPUT
+    return Head(HeadStep(reader.block(base), reader.tensor(S.OUTPUT_NORM), cfg.vocab, eps=cfg.norm_eps,
+                         softcap=cfg.final_softcap, threads=threads), cfg.vocab)
+
+
+def bind_layer(step, state, i, resid, delta, resid_out, x_out, t=0):
+    """Layer i's AttentionStep bound to the model's buffers (Bufs in host memory) and its KV cache,
+    RoPE tables and lengths (kv.AttentionState); token t of the call (buffers (1, n, d))."""
+    k, v = state.kv[i]
+    cos, sin = state.tables[state.local[i]]
+    n = resid.shape[1]
+    return step.bind(resid.np[0, t], delta.np[0, t], resid_out.np[0, t], x_out.np[0, t], k.np, v.np,
+                     cos.np, sin.np, np.asarray(state.total).reshape(1), n - 1 - t)

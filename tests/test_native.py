@@ -1,0 +1,181 @@
+"""Decode's dense part through pinfer's C kernels (runtime/native.py, pinfer/kernels/csrc/decode.c)
+against ONNX Runtime's sessions on the same files, and the head's row dots against NumPy.
+
+Tolerance 1e-4 of the largest value: both sides quantize the activations to int8 per group of 32
+against the weights' centred values scale * (q - z) and add a weight's min + z * scale against x
+itself, so only the order of float sums differs.
+"""
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+
+from fixtures import make_tiny_llama_gguf
+from test_sparse_kernels import centre, quantized_x
+from pinfer.converter.convert import ConvertOptions, convert
+from pinfer.converter.passes import DENSE
+from pinfer.formats import blocks
+from pinfer.formats import schema as S
+from pinfer.kernels import ISAS, sparse_isa
+from pinfer.kernels.decode import HeadStep
+from pinfer.runtime import autotune, native
+from pinfer.runtime.model import Model, RuntimeOptions
+
+BEST = sparse_isa()
+AVAILABLE = ISAS[:ISAS.index(BEST) + 1]
+IDS = [int(i) for i in np.random.default_rng(3).integers(3, 300, 24)]
+
+
+@pytest.fixture(autouse=True)
+def _restore_isa():
+    yield
+    sparse_isa(BEST)
+
+
+def _convert(src, out):
+    with contextlib.redirect_stderr(io.StringIO()):
+        return convert(ConvertOptions(src, out, passes=DENSE))
+
+
+def _decode(m, ids=IDS, prompt=6):
+    m.reset()
+    out = [m.forward(ids[:prompt])]
+    out += [m.forward([t]) for t in ids[prompt:]]
+    return np.concatenate(out)
+
+
+def _kernel_model(path, monkeypatch, **kw):
+    """A model whose dense layers decode through the kernel (autotune told to keep it), so that
+    their attention and the head run through the C kernels."""
+    monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
+    m = Model(path, RuntimeOptions(threads=kw.pop("threads", 1), n_ctx=64, device="cpu", **kw))
+    assert all(m.ffns) and all(s is not None for s in m.native) and m.native_head is not None
+    assert m.attn is None or all(a is None for a in m.attn)      # no attention-only sessions built
+    return m
+
+
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1", "Q5_0", "F16"])
+def gguf_file(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("native")
+    src = make_tiny_llama_gguf(d / f"t_{request.param}.gguf", qtype=request.param, n_layer=2, d_model=128,
+                               n_ff=256, n_head=4, n_head_kv=2, vocab=320, tied_embeddings=request.param == "Q4_1")
+    return request.param, _convert(src, d / f"t_{request.param}.pinf")
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_decode_matches_the_sessions(gguf_file, monkeypatch, isa, threads):
+    """The formats the converter writes for these tiny GGUFs (q4 with and without min, q5, f16; the
+    q8 rows are the head test's and SmolLM2's head): the C kernels' decode against ONNX Runtime's sessions (--dense-kernel off, --ffn-kernel
+    off: the reference path), on each instruction set and thread count."""
+    qtype, path = gguf_file
+    sparse_isa(isa)
+    want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off")))
+    got = _decode(_kernel_model(path, monkeypatch, threads=threads))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_native_layer_step_matches_the_attention_session(gguf_file):
+    """One layer's C call against its attention-only ONNX Runtime session on the same inputs and
+    cache: the residual, the FFN's input and the K/V written at the position."""
+    qtype, path = gguf_file
+    m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off"))
+    m.forward(IDS[:5])
+    m.bind_activations(1)
+    st, rng = m.steps, np.random.default_rng(0)
+    m.start(np.asarray([7]), 1)
+    i, pos = 1, m.n_past
+    st.resid[1].np[...] = rng.standard_normal(st.resid[1].shape)
+    st.delta.np[...] = rng.standard_normal(st.delta.shape) * 0.1
+    k, v = m.attention.kv[i]
+    before = (k.np.copy(), v.np.copy())
+    sess = m.devices.session(S.LAYER_GRAPH.format(i), 1, attention_only=True)
+    m.attention.bind([None, sess])
+    for name, buf in (("resid", st.resid[1]), ("delta", st.delta)):
+        sess.bind_in(name, buf)
+    sess.bind_out("resid_out", st.resid[0])
+    sess.bind_out("ffn_x", st.x)
+    sess.run()
+    want = [a.copy() for a in (st.resid[0].np, st.x.np, k.np[0, :, pos], v.np[0, :, pos])]
+    k.np[...], v.np[...] = before
+    native.bind_layer(m.native[i], m.attention, i, st.resid[1], st.delta, st.resid[0], st.x)()
+    got = (st.resid[0].np, st.x.np, k.np[0, :, pos], v.np[0, :, pos])
+    for a, b in zip(got, want):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q4-nomin", "q5", "q5-nomin", "q8", "f16", "f32"])
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_head_row_dots_against_numpy(fmt, isa):
+    """The head's linear (every format decode.c reads) against NumPy: float x against float rows;
+    int8 x (per group of 32, amax / 127) against scale * (q - z) rows, plus (min + z * scale) *
+    sum(x) where the rows have a min (z: 8 for q4, 16 for q5; q8 stores q + 128 with no min)."""
+    sparse_isa(isa)
+    rng = np.random.default_rng(1)
+    vocab, d = 200, 96 + 32 * (fmt == "q8")       # 3 or 4 groups: chunk tails on every path
+    base = fmt.split("-")[0]
+    parts = blocks.quantize(base, rng.standard_normal((vocab, d)).astype(np.float32))
+    if fmt.endswith("nomin"):
+        parts.pop("min")
+    w = blocks.dequantize(base, parts).astype(np.float64)
+    norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    resid, delta = (rng.standard_normal(d).astype(np.float32) for _ in range(2))
+    logits = np.empty(vocab, np.float32)
+    HeadStep((base, parts), norm, vocab, eps=1e-5, threads=2).bind(resid, delta, logits)()
+    r = resid + delta
+    x = (r / np.sqrt((r * r).mean() + 1e-5) * norm).astype(np.float32)
+    if base in ("f16", "f32"):
+        want = w @ x
+    else:
+        c = centre(parts, {"q4": 8, "q5": 16}[base]) if "min" in parts else 0.0
+        want = (w - c) @ quantized_x(x) + (c @ x.astype(np.float64) if "min" in parts else 0.0)
+    assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_prompts_through_the_kernels_batch_call_with_native_attention(gguf_file, monkeypatch):
+    """A prompt through the kernel's batch call runs its attention token by token through the C
+    kernels, then decode goes on from the same cache: as the graphs' prompt would."""
+    qtype, path = gguf_file
+    m = _kernel_model(path, monkeypatch)
+    want = _decode(m)
+    m.prefill_through_kernel(8)
+    assert m.batches(6)
+    got = _decode(m)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("case, layer, why", [("mistral", 0, "sliding window"), ("gemma2", 1, "post norms")])
+def test_refused_layers_keep_their_sessions(tmp_path, monkeypatch, case, layer, why):
+    """Kinds of layer the C kernels lack keep ONNX Runtime's attention sessions, and native.refusal
+    says why (Mistral's window; Gemma 2's norms after attention, its window on every other layer);
+    decode is still the model's. --dense-kernel off builds none of the C steps."""
+    pytest.importorskip("transformers")
+    from test_hf_models import make_hf_model
+    make_hf_model(tmp_path / case, case)
+    path = _convert(tmp_path / case, tmp_path / f"{case}.pinf")
+    monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
+    m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu"))
+    assert all(m.ffns) and all(s is None for s in m.native) and all(a is not None for a in m.attn)
+    assert why in native.refusal(m.reader, m.cfg, layer)
+    want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off")))
+    assert np.abs(_decode(m) - want).max() <= 1e-4 * np.abs(want).max()
+    off = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", dense_kernel="off"))
+    assert off.native_head is None and all(s is None for s in off.native)
+
+
+@pytest.mark.parametrize("case", ["llama3.1", "qwen2", "phi3", "llama-tied"])
+def test_hugging_face_layouts_decode_through_the_c_kernels(tmp_path, monkeypatch, case):
+    """Float weights, and what these layouts add: Llama 3's RoPE frequency divisors, Qwen2's qkv
+    biases, Phi-3's RoPE over half of each head, a tied head. The C kernels' decode against the
+    sessions' within float rounding."""
+    pytest.importorskip("transformers")
+    from test_hf_models import make_hf_model
+    make_hf_model(tmp_path / case, case)
+    path = _convert(tmp_path / case, tmp_path / f"{case}.pinf")
+    want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off")))
+    got = _decode(_kernel_model(path, monkeypatch))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
