@@ -11,6 +11,8 @@ The protocol, for a reader who wants to check it:
 - per model and thread count the engines alternate `--repeats` times (at least 5), the one that
   goes first switching every round; both decode greedily, one token per call, after the same
   5-token prompt;
+- before each run the machine idles SETTLE_S, so that neither engine's idle threads spin into the
+  other's run;
 - each figure is the median tok/s with the range (min-max) of the runs; the ratio is of medians;
 - the header gives the machine, both engines' versions and build flags, and the instruction set
   pinfer's kernels take;
@@ -45,6 +47,10 @@ from pinfer.runtime import accounting
 from pinfer.runtime.model import Model, RuntimeOptions
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
+# Idle time before each run: the other engine's threads stop spinning first (llama.cpp's OpenMP
+# workers spin after a call before they sleep; pinfer's pool lingers 100 us). On 2 cores a spinning
+# thread of one engine took a core from the other's 2-thread run.
+SETTLE_S = 0.3
 
 
 def pinfer_decode(model, n):
@@ -91,6 +97,7 @@ def measure(pinf, gguf, threads, a):
             sides = [lambda: ours.append(pinfer_decode(model, a.tokens)),
                      lambda: theirs.append(llama.decode(a.tokens))]
             for side in sides[::-1] if r % 2 else sides:
+                time.sleep(SETTLE_S)
                 side()
         return ours, theirs, accounting.weight_bytes_per_token(model.reader, model.cfg) / 1e6
     finally:

@@ -534,7 +534,7 @@ static float neuron(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, i
 /* h of neurons j and j + 1 (short q4/q5 rows, no ReLU) into out[0..1]: their four rows, consecutive
    in the bundle, in one pass over x; the rows PAIR_AHEAD neurons on are prefetched meanwhile
    (unless past n), so that memory is read ahead of the hardware prefetcher. */
-#define PAIR_AHEAD 16
+#define PAIR_AHEAD 8
 static void neuron_pair(const ffn_t *f, int64_t j, int64_t n, const qx_t *qx, int mode, float thr, float *out) {
     const int64_t d = f->d, ng = d / G;
     rows4_t w;
@@ -943,24 +943,25 @@ static void gate_up_union(void *p, int64_t k0, int64_t k1) {
 }
 
 /* y[i] of each token = row i of W_down . its quantized h; the index counts blocks of four rows,
-   which share the loads of h (d is a multiple of 32). */
+   read together where they are short (SHORT_ROW: they share the loads of h), one at a time
+   otherwise (d is a multiple of 32). */
 static void row_dots(void *p, int64_t b0, int64_t b1) {
     work_t *w = p;
     const rows_t *wd = &w->a->wd;
     const int64_t n = w->a->n, d = w->a->d, gn = n / G;
-    for (int64_t b = b0; b < b1; b++) {
-        const int64_t i = 4 * b;
+    const int R = n <= SHORT_ROW ? 4 : 1;
+    for (int64_t i = 4 * b0; i < 4 * b1; i += R) {
         rows4_t rows;
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
             rows.q[r] = wd->q + (i + r) * (n / 2);
             rows.qh[r] = NULL;
             rows.scale[r] = wd->scale + (i + r) * gn;
             rows.min[r] = wd->min ? wd->min + (i + r) * gn : NULL;
         }
-        const uint8_t *next = i + 4 < d ? wd->q + (i + 4) * (n / 2) : NULL;
+        const uint8_t *next = i + R < d ? wd->q + (i + R) * (n / 2) : NULL;
         for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
             const int64_t t = __builtin_ctzll(bits);
-            dot_rows(4, &rows, &w->qx[t], n, w->y + t * d + i, next, n / 2);
+            dot_rows(R, &rows, &w->qx[t], n, w->y + t * d + i, next, n / 2);
             next = NULL;
         }
     }
