@@ -2,7 +2,10 @@
 
     python benchmarks/smollm2_vs_llamacpp.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --llama-python .venv-llama/bin/python [--q4-0] [--pinf converted.pinf] [--threads 1,2]
-        [--tokens 128] [--repeats 5]
+        [--tokens 128] [--repeats 5] [--isa avx2]
+
+Any llama-family GGUF goes: the 7B-shaped one of benchmarks/synthetic_decode.py too
+(--model ~/.cache/pinfer/synthetic/synthetic-7b-32L.Q4_0.gguf --pinf ...32L.Q4_0.pinf --tokens 16).
 
 The protocol, for a reader who wants to check it:
 - each engine loads the model once and decodes 16 tokens before anything is timed. llama.cpp runs
@@ -113,7 +116,11 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--isa", choices=kernels.ISAS, default=None,
+                    help="force pinfer's kernels onto this instruction set (the AVX2 path on an AVX-512 CPU)")
     a = ap.parse_args(argv)
+    if a.isa:
+        kernels.sparse_isa(a.isa)
     if a.repeats < 5:
         ap.error("--repeats is at least 5: fewer alternations do not give a median worth a ratio")
     threads = [int(x) for x in a.threads.split(",")]

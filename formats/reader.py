@@ -108,13 +108,24 @@ class PinfReader:
                           offset=e["offset"])
         return a.reshape(e["shape"])
 
-    def block(self, base):
-        """The parts of a block-format weight `base` as a dict part -> array, plus its format."""
+    def block(self, base, own=False):
+        """The parts of a block-format weight `base` as a dict part -> array, plus its format.
+        own: copies in the process's own memory instead of views of the map (see release())."""
         fmt = self.header["weights"].get(base)
         if fmt not in S.BLOCK_FORMATS:
             self._fail(f"the weight {base!r} has unknown block format {fmt!r}")
-        return fmt, {p: self.tensor(S.part_name(base, p)) for p in S.BLOCK_FORMATS[fmt]
+        get = (lambda name: np.array(self.tensor(name))) if own else self.tensor
+        return fmt, {p: get(S.part_name(base, p)) for p in S.BLOCK_FORMATS[fmt]
                      if S.part_name(base, p) in self.tensors}
+
+    def release(self):
+        """Let go of the map's pages this process has touched (madvise DONTNEED): they stay in the
+        page cache, and a later read of a view faults them in again. After the runtime has copied
+        what its kernels stream (block(own=True): NumPy asks for transparent huge pages for copies
+        of 4 MB and more, which a kernel reads from memory faster than the map's 4 KB pages), and
+        ONNX Runtime has packed its own, the copies do not count twice in the process's memory."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mm.madvise(mmap.MADV_DONTNEED)
 
     def graph_bytes(self, name):
         """The serialized onnx.ModelProto of graph `name` (a key of the header's "graphs"), checked

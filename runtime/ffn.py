@@ -53,11 +53,13 @@ def times_dense(model, i):
 
 def layer_kernel(model, i, mode):
     """Layer i's fused FFN for `mode`: the CPU kernel, or the hybrid of the plan's hot neurons
-    on the GPU (or a second CPU kernel with device cpu-split) and the rest on the CPU."""
+    on the GPU (or a second CPU kernel with device cpu-split) and the rest on the CPU, over copies
+    of the weights in the process's memory (PinfReader.release says why)."""
     r, cfg, dv = model.reader, model.cfg, model.devices
-    parts = (r.block(S.FFN_GATE_UP.format(i)), r.block(S.FFN_DOWN_T.format(i)), None)
+    parts = (r.block(S.FFN_GATE_UP.format(i), own=True), r.block(S.FFN_DOWN_T.format(i), own=True), None)
     if S.MODES[mode].uses_predictor:
-        parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i))[1], r.block(S.FFN_PRED_W2.format(i))[1],
+        parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i), own=True)[1],
+                              r.block(S.FFN_PRED_W2.format(i), own=True)[1],
                               r.tensor(S.FFN_PRED_B2.format(i))),)
     k = model.plan.hot[i] if model.plan else 0
     if dv.ffn == "gpu":

@@ -31,7 +31,8 @@ def refusal(reader, cfg, i=None):
 
 
 def attention_steps(reader, cfg, threads):
-    """Per layer an AttentionStep, or None where refusal() says why not."""
+    """Per layer an AttentionStep, or None where refusal() says why not. The steps read their own
+    copies of the weights (PinfReader.release says why)."""
     def optional(name):
         return reader.tensor(name) if name in reader.tensors else None
     steps = []
@@ -40,7 +41,7 @@ def attention_steps(reader, cfg, threads):
             steps.append(None)
             continue
         steps.append(AttentionStep(
-            reader.block(S.ATTN_QKV.format(i)), reader.block(S.ATTN_OUT.format(i)),
+            reader.block(S.ATTN_QKV.format(i), own=True), reader.block(S.ATTN_OUT.format(i), own=True),
             reader.tensor(S.ATTN_NORM.format(i)), reader.tensor(S.FFN_NORM.format(i)),
             n_head=cfg.n_head, n_kv=cfg.n_head_kv, head_dim=cfg.head_dim, rot=cfg.rotary_dim,
             interleaved=cfg.rope_interleaved, eps=cfg.norm_eps, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
@@ -70,7 +71,7 @@ def head(reader, cfg, threads):
     if refusal(reader, cfg):
         return None
     base = S.TOKEN_EMBD if cfg.tied_embeddings else S.OUTPUT
-    return Head(HeadStep(reader.block(base), reader.tensor(S.OUTPUT_NORM), cfg.vocab, eps=cfg.norm_eps,
+    return Head(HeadStep(reader.block(base, own=True), reader.tensor(S.OUTPUT_NORM), cfg.vocab, eps=cfg.norm_eps,
                          softcap=cfg.final_softcap, threads=threads), cfg.vocab)
 
 

@@ -42,6 +42,29 @@ def test_round_trip_is_zero_copy_and_aligned(tmp_path):
     assert not partial_path(p).exists()
 
 
+def test_own_copies_and_release(tmp_path):
+    """block(own=True) copies out of the map (what the kernels stream); release() lets go of the
+    map's touched pages, and views read the same bytes again afterwards."""
+    p = tmp_path / "m.pinf"
+    rng = np.random.default_rng(1)
+    parts = {"q": rng.integers(0, 255, (64, 16), dtype=np.uint8), "scale": rng.standard_normal((64, 1)).astype(np.float16)}
+    with PinfWriter(p) as w:
+        for name, a in parts.items():
+            w.add_tensor(S.part_name("w", name), a)
+        w.finish(dict(HEADER, weights={"w": "q4"}))
+    r = PinfReader(p, schema=False)
+    view = r.block("w")[1]
+    fmt, own = r.block("w", own=True)
+    assert fmt == "q4" and set(own) == {"q", "scale"}
+    for name, a in parts.items():
+        assert own[name].flags.owndata and own[name].flags.writeable and not np.shares_memory(own[name], view[name])
+        np.testing.assert_array_equal(own[name], a)
+    r.release()
+    for name, a in parts.items():
+        np.testing.assert_array_equal(view[name], a)
+        np.testing.assert_array_equal(own[name], a)
+
+
 def test_error_inside_writer_leaves_nothing(tmp_path):
     p = tmp_path / "m.pinf"
     with pytest.raises(RuntimeError):
