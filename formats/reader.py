@@ -114,16 +114,15 @@ class PinfReader:
         fmt = self.header["weights"].get(base)
         if fmt not in S.BLOCK_FORMATS:
             self._fail(f"the weight {base!r} has unknown block format {fmt!r}")
-        get = (lambda name: np.array(self.tensor(name))) if own else self.tensor
+        get = (lambda name: huge_copy(self.tensor(name))) if own else self.tensor
         return fmt, {p: get(S.part_name(base, p)) for p in S.BLOCK_FORMATS[fmt]
                      if S.part_name(base, p) in self.tensors}
 
     def release(self):
         """Let go of the map's pages this process has touched (madvise DONTNEED): they stay in the
         page cache, and a later read of a view faults them in again. After the runtime has copied
-        what its kernels stream (block(own=True): NumPy asks for transparent huge pages for copies
-        of 4 MB and more, which a kernel reads from memory faster than the map's 4 KB pages), and
-        ONNX Runtime has packed its own, the copies do not count twice in the process's memory."""
+        what its kernels stream (block(own=True), in huge pages: see huge_copy) and ONNX Runtime
+        has packed its own, the copies do not count twice in the process's memory."""
         if hasattr(mmap, "MADV_DONTNEED"):
             self._mm.madvise(mmap.MADV_DONTNEED)
 
@@ -168,3 +167,24 @@ class PinfReader:
             self._mm.close()
         except BufferError:
             pass  # NumPy views still alive; the map closes when they go
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_copy(a):
+    """A copy of `a` in private anonymous memory that the kernel is asked to back with transparent
+    huge pages (madvise HUGEPAGE, from a 2 MB boundary; systems set to "madvise", a common default,
+    give them only when asked). pinfer's kernels stream weights: a row dot over 4096-wide q4 rows
+    read 14-16 GB/s from 4 KB pages and 21-23 GB/s from huge pages (1 thread, 2-core EPYC). Arrays
+    under one huge page are plain copies."""
+    a = np.asarray(a)
+    if a.nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.array(a)
+    mm = mmap.mmap(-1, a.nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm.madvise(mmap.MADV_HUGEPAGE)          # before the first touch: faults then take huge pages
+    raw = np.frombuffer(mm, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out

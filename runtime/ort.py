@@ -9,6 +9,7 @@ import onnxruntime as ort
 from pinfer.formats import blocks
 from pinfer.formats import schema as S
 from pinfer.formats.onnx_graph import F32, GraphBuilder
+from pinfer.formats.reader import huge_copy
 
 
 _shared_arena = False
@@ -49,6 +50,7 @@ class MatMulDown:
 
     def __init__(self, fmt, parts, threads, n_ff, d):
         plain, w = blocks.from_transposed_r(fmt, parts)     # W_down (d, n_ff)
+        w = {p: huge_copy(a) for p, a in w.items()}         # the kernel's row dots stream it
         self.rows = (plain, w)     # the fused kernel's row dots read the same arrays
         self.arrays = {S.part_name("w", p): a for p, a in w.items()}
         directory = {name: {"dtype": S.DTYPE_CODES[a.dtype], "shape": list(a.shape), "nbytes": a.nbytes}
