@@ -4,9 +4,9 @@
         [--sparsity RULE] [--ffn-kernel auto|on|off]
 
 After a prompt, --tokens decode calls; each step of Model.forward (the per-layer ONNX Runtime
-sessions, pinfer's FFN kernel or the NumPy rule and down projection, the head session, the
-embedding and the writes before the layers) is wrapped with a timer, and what the wrappers do not
-see is Python between them. Per thread count: ms per token by step kind, its share, the process's
+sessions or the C attention calls, pinfer's FFN kernel or the NumPy rule and down projection, the
+head session or the C head, the embedding and the writes before the layers) is wrapped with a
+timer, and what the wrappers do not see is Python between them. Per thread count: ms per token by step kind, its share, the process's
 CPU time over wall time (cores busy on average), and the token rate with the profiler's own
 overhead (a few microseconds per step) in it.
 The rate here is not a benchmark: benchmarks/smollm2_vs_llamacpp.py is.
@@ -33,7 +33,8 @@ def kind_of(step):
                 else "onnx down projection (MatMulNBits)")
     q = getattr(step, "__qualname__", type(step).__name__)
     return {"Steps._kernel.<locals>.step": "ffn kernel (fused)",
-            "Steps._batch.<locals>.step": "ffn kernel (batch)"}.get(q, q.replace(".<locals>", ""))
+            "Steps._batch.<locals>.step": "ffn kernel (batch)",
+            "AttentionStep.bind.<locals>.run": "attention (decode.c)"}.get(q, q.replace(".<locals>", ""))
 
 
 def profile(path, threads, tokens, prompt, sparsity="", kernels="auto"):
@@ -54,6 +55,9 @@ def profile(path, threads, tokens, prompt, sparsity="", kernels="auto"):
     m.bind_activations(1)
     m.steps.run = [timed(kind_of(s), s) for s in m.steps.run]
     m.head.run = timed("onnx head session", m.head.run)
+    if m.native_head is not None:
+        m.native_head.step.bind = lambda *a, bind=m.native_head.step.bind: timed("head (decode.c)", bind(*a))
+        m.native_head.bound_to = None       # bound again, timed
     m.start = timed("embedding and inputs", m.start)
     spent.clear()
     cpu0, t0 = time.process_time(), time.perf_counter()
