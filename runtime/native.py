@@ -21,8 +21,9 @@ def refusal(reader, cfg, i=None):
             return "a norm after the last FFN"
         base = S.TOKEN_EMBD if cfg.tied_embeddings else S.OUTPUT
         return None if weights.get(base) in LINEAR_FORMATS else f"a head in {weights.get(base)}"
-    if cfg.positions != "rope" or cfg.windowed(i) or cfg.n_head % cfg.n_head_kv:
-        return "an attention the kernel lacks (learned positions, a sliding window or uneven heads)"
+    if cfg.positions != "rope" or cfg.windowed(i) or cfg.n_head % cfg.n_head_kv or \
+            not 0 < cfg.rotary_dim <= cfg.head_dim or cfg.rotary_dim % 2:
+        return "an attention the kernel lacks (learned positions, a sliding window, uneven heads or RoPE widths)"
     extra = (S.ATTN_Q_NORM.format(i), S.ATTN_POST_NORM.format(i)) + ((S.FFN_POST_NORM.format(i - 1),) if i else ())
     if any(name in tensors for name in extra):
         return "per-head or post norms"
@@ -56,12 +57,12 @@ class Head:
     buffers change."""
 
     def __init__(self, step, vocab):
-        self.step, self.logits, self.run, self.bound_to = step, np.empty(vocab, np.float32), None, None
+        self.step, self.logits, self.run, self.bound_to = step, np.empty(vocab, np.float32), None, (None, None)
 
     def __call__(self, resid, delta):
-        if self.bound_to != (id(resid), id(delta)):
+        if self.bound_to[0] is not resid or self.bound_to[1] is not delta:    # kept: ids cannot be reused
             self.run = self.step.bind(resid.np[0, -1], delta.np[0, -1], self.logits)
-            self.bound_to = (id(resid), id(delta))
+            self.bound_to = (resid, delta)
         self.run()
         return self.logits[None].copy()
 

@@ -107,7 +107,7 @@ def test_native_layer_step_matches_the_attention_session(gguf_file):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q4-nomin", "q5", "q5-nomin", "q8", "f16", "f32"])
+@pytest.mark.parametrize("fmt", ["q4", "q4-nomin", "q5", "q5-nomin", "q8", "f16", "f32", "f32-40"])
 @pytest.mark.parametrize("isa", AVAILABLE)
 def test_head_row_dots_against_numpy(fmt, isa):
     """The head's linear (every format decode.c reads) against NumPy: float x against float rows;
@@ -115,9 +115,10 @@ def test_head_row_dots_against_numpy(fmt, isa):
     sum(x) where the rows have a min (z: 8 for q4, 16 for q5; q8 stores q + 128 with no min)."""
     sparse_isa(isa)
     rng = np.random.default_rng(1)
-    vocab, d = 200, 96 + 32 * (fmt == "q8")       # 3 or 4 groups: chunk tails on every path
+    vocab, d = 200, 40 if fmt == "f32-40" else 96 + 32 * (fmt == "q8")   # 3 or 4 groups: chunk tails; f32: any width
     base = fmt.split("-")[0]
-    parts = blocks.quantize(base, rng.standard_normal((vocab, d)).astype(np.float32))
+    parts = (blocks.quantize(base, rng.standard_normal((vocab, d)).astype(np.float32)) if base != "f32"
+             else {"w": rng.standard_normal((vocab, d)).astype(np.float32)})
     if fmt.endswith("nomin"):
         parts.pop("min")
     w = blocks.dequantize(base, parts).astype(np.float64)

@@ -78,6 +78,7 @@ class AttentionStep:
         self.norms = tuple(_vector(v, d, name) for v, name in ((attn_norm, "attn_norm"), (ffn_norm, "ffn_norm"),
                                                               (down_bias, "ffn_down bias")))
         self.keep = (keep_qkv, keep_out)
+        self.work = np.empty(0, np.float32)     # scratch every bound call shares: they run one at a time
         self.shape = dict(d=d, n_head=n_head, n_kv=n_kv, hd=head_dim, rot=rot)
         self.params = dict(eps=eps, scale=scale or head_dim ** -0.5, softcap=softcap, interleaved=int(interleaved))
         self.threads = threads
@@ -99,7 +100,10 @@ class AttentionStep:
                          *(_buffer(a, d, name) for a, name in ((resid, "resid"), (delta, "delta"),
                                                                (resid_out, "resid_out"), (x_out, "x_out"))),
                          None, self.threads)
-        work = np.empty(_lib.pinfer_attn_work(ctypes.byref(call)), np.float32)
+        need = _lib.pinfer_attn_work(ctypes.byref(call))
+        if len(self.work) < need:       # calls bound before keep the smaller buffer they point into
+            self.work = np.empty(need, np.float32)
+        work = self.work
         call.work = work.ctypes.data
         ref, f = ctypes.byref(call), _lib.pinfer_attn_call
 

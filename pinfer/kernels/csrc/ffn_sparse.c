@@ -435,8 +435,10 @@ static float dot_f16(const uint16_t *w, const float *x, int64_t d, const uint16_
 PINFER_CLONES
 static float dot_f32(const float *w, const float *x, int64_t d) {
     float acc[16] = {0};
-    for (int64_t i = 0; i < d; i += 16)
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16)
         for (int k = 0; k < 16; k++) acc[k] += w[i + k] * x[i + k];
+    for (int k = 0; i < d; i++, k++) acc[k] += w[i] * x[i];     /* any length: head_dim, f32 rows */
     float s = 0.0f;
     for (int k = 0; k < 16; k++) s += acc[k];
     return s;
