@@ -1,7 +1,7 @@
 """Where a decode token's time goes: every step of pinfer's per-token loop timed on its own.
 
     python benchmarks/decode_profile.py MODEL.pinf [--threads 1 2] [--tokens 64] [--prompt 16]
-        [--sparsity RULE] [--ffn-kernel auto|on|off]
+        [--sparsity RULE] [--ffn-kernel auto|on|off] [--dense-kernel on|off]
 
 After a prompt, --tokens decode calls; each step of Model.forward (the per-layer ONNX Runtime
 sessions or the C attention calls, pinfer's FFN kernel or the NumPy rule and down projection, the
@@ -37,9 +37,10 @@ def kind_of(step):
             "AttentionStep.bind.<locals>.run": "attention (decode.c)"}.get(q, q.replace(".<locals>", ""))
 
 
-def profile(path, threads, tokens, prompt, sparsity="", kernels="auto"):
+def profile(path, threads, tokens, prompt, sparsity="", kernels="auto", dense_kernel="on"):
     from pinfer.runtime.model import Model, RuntimeOptions
-    m = Model(path, RuntimeOptions(threads=threads, n_ctx=prompt + tokens + 8, sparsity=sparsity, kernels=kernels))
+    m = Model(path, RuntimeOptions(threads=threads, n_ctx=prompt + tokens + 8, sparsity=sparsity, kernels=kernels,
+                                   dense_kernel=dense_kernel))
     ids = list(np.random.default_rng(0).integers(0, m.cfg.vocab, prompt))
     m.forward(ids)
     m.forward([ids[-1]])                 # the decode steps exist now
@@ -76,12 +77,14 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--sparsity", default="", help="a rule for every layer (RuntimeOptions.sparsity); default the file's")
     ap.add_argument("--ffn-kernel", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--dense-kernel", default="on", choices=("on", "off"),
+                    help="off: attention and head through ONNX Runtime's sessions (RuntimeOptions.dense_kernel)")
     a = ap.parse_args(argv)
     from pinfer import kernels
     print(f"{a.model.name}: {a.tokens} decode tokens after a {a.prompt}-token prompt; {os.cpu_count()} CPU cores; "
           f"kernel ISA {kernels.sparse_isa()}")
     for t in a.threads:
-        m, spent, wall, cpu = profile(a.model, t, a.tokens, a.prompt, a.sparsity, a.ffn_kernel)
+        m, spent, wall, cpu = profile(a.model, t, a.tokens, a.prompt, a.sparsity, a.ffn_kernel, a.dense_kernel)
         per = {k: v / a.tokens * 1e3 for k, v in spent.items()}
         per["python between steps"] = wall / a.tokens * 1e3 - sum(per.values())
         total = wall / a.tokens * 1e3

@@ -48,13 +48,16 @@ class AttentionState:
         for i, layer in enumerate(sessions):
             if layer is None:
                 continue
-            k, v = self.kv[i]
-            cos, sin = self.tables[self.local[i]]
+            k, v, cos, sin = self.layer(i)
             for name, a in (("past_key", k), ("past_value", v), ("seqlens_k", self.seqlens),
                             ("total_len", self.total), ("cos_cache", cos), ("sin_cache", sin)):
                 layer.bind_in(name, a)
             layer.bind_out("present_key", k)
             layer.bind_out("present_value", v)
+
+    def layer(self, i):
+        """Layer i's (K cache, V cache, cos table, sin table): its own base where it is windowed."""
+        return (*self.kv[i], *self.tables[self.local[i]])
 
     def set_lengths(self, n_past, n):
         """The lengths of a call over n tokens after n_past cached ones."""

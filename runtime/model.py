@@ -80,7 +80,6 @@ class Model:
             chosen = autotune.choose_paths(self)
             self.path_choices = [c for c in chosen if isinstance(c, autotune.PathChoice)]
             self.notes += chosen
-        self.reader.release()       # the kernels read their own copies; ONNX Runtime packed its own
 
     def set_active_sets(self, draw, hotness=None):
         """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending
@@ -93,7 +92,6 @@ class Model:
                                                   for i in range(n_layer)], hotness)
         self.draw = draw
         self.path_choices = []
-        self.reader.release()
 
     def _place(self, modes, make_ffns, hotness=None):
         """Plan the hot neurons for `modes` (where a split device is in use), then build the layers'
@@ -112,6 +110,7 @@ class Model:
             self.attention.bind(self.attn)
         self.prefill_by_token, self.prefill_times = 0, []
         self.unbind()      # the bound steps call the rules and kernels
+        self.reader.release()       # the kernels read their own copies; ONNX Runtime packed its own
 
     def weight_bytes_per_token(self):
         """Weight bytes a step reads, from the rows read since the last counters.reset() (all rows

@@ -77,10 +77,9 @@ def head(reader, cfg, threads):
 
 
 def bind_layer(step, state, i, resid, delta, resid_out, x_out, t=0):
-    """Layer i's AttentionStep bound to the model's buffers (Bufs in host memory) and its KV cache,
-    RoPE tables and lengths (kv.AttentionState); token t of the call (buffers (1, n, d))."""
-    k, v = state.kv[i]
-    cos, sin = state.tables[state.local[i]]
+    """Layer i's AttentionStep bound to the model's buffers (Bufs in host memory, (1, n, d): token t of
+    the call) and to its KV cache, RoPE tables and lengths (kv.AttentionState)."""
+    k, v, cos, sin = state.layer(i)
     n = resid.shape[1]
     return step.bind(resid.np[0, t], delta.np[0, t], resid_out.np[0, t], x_out.np[0, t], k.np, v.np,
                      cos.np, sin.np, np.asarray(state.total).reshape(1), n - 1 - t)

@@ -34,18 +34,18 @@ class Steps:
         if kernel and m.native[i] is not None:     # the attention through the C kernels, token by token
             attn = [native.bind_layer(m.native[i], m.attention, i, self.resid[i % 2], self.delta,
                                       self.resid[(i + 1) % 2], self.x, t) for t in range(self.n)]
-            return attn + [self._kernel(i, entry or m.ffns[i]) if self.n == 1 else self._batch(i)]
-        layer = m.attn[i] if kernel else m.layers[i]
-        if not kernel:
-            layer.bind_out("ffn_h", self.h)
-        layer.bind_in("resid", self.resid[i % 2])
-        layer.bind_in("delta", self.delta)
-        layer.bind_out("resid_out", self.resid[(i + 1) % 2])
-        layer.bind_out("ffn_x", self.x)
+        else:
+            layer = m.attn[i] if kernel else m.layers[i]
+            if not kernel:
+                layer.bind_out("ffn_h", self.h)
+            layer.bind_in("resid", self.resid[i % 2])
+            layer.bind_in("delta", self.delta)
+            layer.bind_out("resid_out", self.resid[(i + 1) % 2])
+            layer.bind_out("ffn_x", self.x)
+            attn = [layer.run]
         if kernel:
-            return [layer.run, self._kernel(i, entry or m.ffns[i]) if self.n == 1 else self._batch(i)]
-        return [layer.run, (rule or m.rules[i]).bind(self.x.np[0], self.h[0]),
-                m.downs[i].bind(self.h[0], self.delta.np[0])]
+            return attn + [self._kernel(i, entry or m.ffns[i]) if self.n == 1 else self._batch(i)]
+        return attn + [(rule or m.rules[i]).bind(self.x.np[0], self.h[0]), m.downs[i].bind(self.h[0], self.delta.np[0])]
 
     def _kernel(self, i, entry):
         m = self.model

@@ -69,7 +69,7 @@ def test_huge_copies_are_aligned_copies():
     """huge_copy: a writable copy, on a 2 MB boundary from one huge page up (where the kernel is
     asked for transparent huge pages), a plain copy below."""
     from pinfer.formats.reader import HUGE_PAGE, huge_copy
-    a = np.arange(HUGE_PAGE // 2 + 5, dtype=np.float32).reshape(-1, 1)[::1]
+    a = np.arange(HUGE_PAGE // 2 + 5, dtype=np.float32).reshape(-1, 1)
     big = huge_copy(a)
     assert big.ctypes.data % HUGE_PAGE == 0 and not np.shares_memory(big, a)
     np.testing.assert_array_equal(big, a)

@@ -21,10 +21,13 @@
 /* Loops under this many weights run on one thread: waking a second costs more than it saves. */
 #define PARALLEL_WORK (1 << 18)
 
-/* Rows of at most this many weights are read several at a time (pinfer_dot_rows with R = 2 or 4),
-   each load of x serving them all; longer ones one at a time. On a 2-core EPYC (AVX-512), rows of
-   576 read 12 GB/s one at a time, 19 two and 22-24 four at a time, in cache or not; rows of 4096
-   from memory 16 GB/s one at a time and 12-13 several at a time (interleaved streams). */
+/* Rows of at most this many weights are read several at a time (pinfer_dot_rows_ahead with R = 2 or 4),
+   each load of x serving them all; longer ones one at a time. On a 2-core EPYC (AVX-512), with a C
+   harness over pinfer_dot_rows_ahead that the repository does not keep: rows of 576 read 12 GB/s one
+   at a time and 22-24 four at a time; rows of 1536 and 4096 from 4 KB pages read faster one at a
+   time (interleaved streams). What the repository shows: benchmarks/sparse_kernel.py --shapes
+   smollm2 --formats int4 --fractions 1 (dense FFN 11.5 -> 19.7 GB/s with the four-row reads) and
+   benchmarks/row_dots.py (the rows as the head reads them). */
 #define SHORT_ROW 1024
 
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -45,13 +48,13 @@ qx_t pinfer_qx_at(void *mem, int64_t d);
 int pinfer_sparse_isa(int want);
 void pinfer_quantize_x(const float *x, int64_t d, qx_t *o);
 /* One row's dot per q4 row r < R (R = 1, 2 or 4): the rows' q, fifth bits (q5) or NULL, scales and
-   mins (or NULL) by pointer; out[r]. Each row's sum is the same bits whatever R it is computed in. */
+   mins (or NULL) by pointer; out[r]. Each row's sum is the same bits whatever R it is computed in
+   (pinfer_dot_rows_ahead). */
 typedef struct {
     const uint8_t *q[4], *qh[4];
     const uint16_t *scale[4], *min[4];
 } rows4_t;
-void pinfer_dot_rows(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out);
-/* The same, prefetching R rows from `next` (nstride bytes apart) meanwhile (NULL: none). */
+/* next: R rows to prefetch meanwhile, nstride bytes apart (NULL: none). */
 void pinfer_dot_rows_ahead(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out, const uint8_t *next,
                            int64_t nstride);
 float pinfer_dot_f16(const uint16_t *w, const float *x, int64_t d);

@@ -1252,10 +1252,6 @@ int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
 
 void pinfer_quantize_x(const float *x, int64_t d, qx_t *o) { quantize_x(x, d, o); }
 
-void pinfer_dot_rows(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out) {
-    dot_rows(R, w, x, d, out, NULL, 0);
-}
-
 void pinfer_dot_rows_ahead(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out, const uint8_t *next,
                            int64_t nstride) {
     dot_rows(R, w, x, d, out, next, nstride);
