@@ -29,8 +29,10 @@ def kind_of(step):
     owner = getattr(step, "__self__", None)
     if owner is not None and type(owner).__name__ == "Bound":
         inputs = {i.name for i in owner.sess.get_inputs()}
-        return ("onnx layer session (attention, gate/up)" if "resid" in inputs
-                else "onnx down projection (MatMulNBits)")
+        if "resid" not in inputs:
+            return "onnx down projection (MatMulNBits)"
+        full = any(o.name == "ffn_h" for o in owner.sess.get_outputs())
+        return "onnx layer session (attention, gate/up)" if full else "onnx attention session"
     q = getattr(step, "__qualname__", type(step).__name__)
     return {"Steps._kernel.<locals>.step": "ffn kernel (fused)",
             "Steps._batch.<locals>.step": "ffn kernel (batch)",
@@ -58,7 +60,7 @@ def profile(path, threads, tokens, prompt, sparsity="", kernels="auto", dense_ke
     m.head.run = timed("onnx head session", m.head.run)
     if m.native_head is not None:
         m.native_head.step.bind = lambda *a, bind=m.native_head.step.bind: timed("head (decode.c)", bind(*a))
-        m.native_head.bound_to = None       # bound again, timed
+        m.native_head.bound_to = (None, None)       # bound again, timed
     m.start = timed("embedding and inputs", m.start)
     spent.clear()
     cpu0, t0 = time.process_time(), time.perf_counter()
