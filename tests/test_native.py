@@ -1,9 +1,10 @@
 """Decode's dense part through pinfer's C kernels (runtime/native.py, pinfer/kernels/csrc/decode.c)
 against ONNX Runtime's sessions on the same files, and the head's row dots against NumPy.
 
-Tolerance 1e-4 of the largest value: both sides quantize the activations to int8 per group of 32
-against the weights' centred values scale * (q - z) and add a weight's min + z * scale against x
-itself, so only the order of float sums differs.
+Both sides quantize the activations to int8 per group of 32 against the weights' centred values
+scale * (q - z) and add a weight's min + z * scale against x itself, so only the order of float sums
+differs, and with it, now and then, which way one element of x rounds to int8
+(_assert_close_but_for_roundings says the tolerances).
 """
 
 import contextlib
@@ -46,6 +47,18 @@ def _decode(m, ids=IDS, prompt=6):
     return np.concatenate(out)
 
 
+def _assert_close_but_for_roundings(got, want):
+    """Per token, the largest difference of the logits over the largest logit: at float rounding
+    (1e-5) for most tokens, and within one int8 step of x (1e-2) for all. Both paths quantize each
+    matmul's x to int8 per group of 32 on their own; a last-bit difference upstream (another order
+    of the same sums: the C attention's scores or exp against ONNX Runtime's) now and then rounds
+    one element of x the other way, which moves the rows it meets by 1/127 of its group's largest
+    value times their weights."""
+    err = np.abs(got - want).max(axis=-1) / np.abs(want).max()
+    assert np.median(err) <= 1e-5 and err.max() <= 1e-2, err
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
 def _kernel_model(path, monkeypatch, **kw):
     """A model whose dense layers decode through the kernel (autotune told to keep it), so that
     their attention and the head run through the C kernels."""
@@ -74,8 +87,7 @@ def test_native_decode_matches_the_sessions(gguf_file, monkeypatch, isa, threads
     sparse_isa(isa)
     want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off")))
     got = _decode(_kernel_model(path, monkeypatch, threads=threads))
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-    assert (got.argmax(-1) == want.argmax(-1)).all()
+    _assert_close_but_for_roundings(got, want)
 
 
 def test_native_layer_step_matches_the_attention_session(gguf_file):
@@ -107,7 +119,8 @@ def test_native_layer_step_matches_the_attention_session(gguf_file):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q4-nomin", "q5", "q5-nomin", "q8", "f16", "f32", "f32-40"])
+@pytest.mark.parametrize("fmt", ["q4", "q4-nomin", "q5", "q5-nomin", "q8", "f16", "f32", "f32-40", "q4-576", "q8-576",
+                                 "q5-1088", "q8-1088"])
 @pytest.mark.parametrize("isa", AVAILABLE)
 def test_head_row_dots_against_numpy(fmt, isa):
     """The head's linear (every format decode.c reads) against NumPy: float x against float rows;
@@ -115,7 +128,9 @@ def test_head_row_dots_against_numpy(fmt, isa):
     sum(x) where the rows have a min (z: 8 for q4, 16 for q5; q8 stores q + 128 with no min)."""
     sparse_isa(isa)
     rng = np.random.default_rng(1)
-    vocab, d = 200, 40 if fmt == "f32-40" else 96 + 32 * (fmt == "q8")   # 3 or 4 groups: chunk tails; f32: any width
+    # 3 or 4 groups: chunk tails; 576 (SmolLM2's width): a whole block of 16 groups and 2 more, rows four at a
+    # time; 1088: rows past SHORT_ROW, one at a time; f32: any width
+    vocab, d = 200, {"f32-40": 40, "q4-576": 576, "q8-576": 576, "q5-1088": 1088, "q8-1088": 1088}.get(fmt, 96 + 32 * (fmt == "q8"))
     base = fmt.split("-")[0]
     parts = (blocks.quantize(base, rng.standard_normal((vocab, d)).astype(np.float32)) if base != "f32"
              else {"w": rng.standard_normal((vocab, d)).astype(np.float32)})
@@ -145,7 +160,7 @@ def test_prompts_through_the_kernels_batch_call_with_native_attention(gguf_file,
     m.prefill_through_kernel(8)
     assert m.batches(6)
     got = _decode(m)
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    _assert_close_but_for_roundings(got, want)
 
 
 @pytest.mark.parametrize("case, layer, why", [("mistral", 0, "sliding window"), ("gemma2", 1, "post norms")])
@@ -162,7 +177,7 @@ def test_refused_layers_keep_their_sessions(tmp_path, monkeypatch, case, layer, 
     assert all(m.ffns) and all(s is None for s in m.native) and all(a is not None for a in m.attn)
     assert why in native.refusal(m.reader, m.cfg, layer)
     want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off")))
-    assert np.abs(_decode(m) - want).max() <= 1e-4 * np.abs(want).max()
+    _assert_close_but_for_roundings(_decode(m), want)
     off = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", dense_kernel="off"))
     assert off.native_head is None and all(s is None for s in off.native)
 

@@ -76,11 +76,15 @@ typedef struct {
 
 /* -- q8 rows with int8 x in natural order ------------------------------------------------------ */
 
-/* x quantized per group of 32 in element order (qx_t's lanes unused): q8 rows read it. */
+/* x quantized per group of 32 in element order (qx_t's corr unused): q8 rows read it. */
+PINFER_CLONES
 static void quantize_natural(const float *x, int64_t d, qx_t *o) {
     for (int64_t g = 0; g < d / G; g++) {
         float amax = 0.0f;
-        for (int64_t e = 0; e < G; e++) amax = fmaxf(amax, fabsf(x[g * G + e]));
+        for (int64_t e = 0; e < G; e++) {
+            const float a = fabsf(x[g * G + e]);
+            amax = a > amax ? a : amax;
+        }
         const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
         int32_t total = 0;
         for (int64_t e = 0; e < G; e++) {
@@ -104,48 +108,74 @@ static float dot_q8_portable(const uint8_t *q, const uint16_t *scale, const qx_t
 }
 
 #ifdef PINFER_X86
-/* u8 q against int8 x by vpdpbusd, two groups per 512 bits; the offset of 128 comes off through
-   the groups' sums of x: sum(scale_w * (scale_x * sum(q * xq) - 128 * sum_x)). */
-__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c,fma")))
-static float dot_q8_avx512(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k) {
-    const int64_t ng = k / G;
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    __m512 acc = _mm512_setzero_ps();
-    __m128 macc = _mm_setzero_ps();
-    for (int64_t g = 0; g < ng; g += 2) {
-        const int two = ng - g >= 2;
-        const __mmask64 m = two ? ~0ULL : 0xffffffffULL;
-        const __mmask8 m2 = two ? 3 : 1;
-        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(m, q + g * G),
-                                              _mm512_maskz_loadu_epi8(m, x->q + g * G));
-        const __m128 sw = _mm_cvtph_ps(_mm_maskz_loadu_epi16(m2, scale + g));
-        const __m128 sx = _mm_maskz_loadu_ps(m2, x->scale + g), sm = _mm_maskz_loadu_ps(m2, x->sum + g);
-        const __m512 f = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(sw, sx)));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc);
-        macc = _mm_fmadd_ps(sw, sm, macc);
+#define Q8_AVX512 "avx512f,avx512bw,avx512vnni,avx512vl,f16c,fma"
+
+/* kg groups from g (16 but at the row's end) of a q8 row: steps of two groups (64 bytes) by
+   vpdpbusd, u8 q against int8 x; the block's 16 scales converted once and multiplied by x's. The
+   offset of 128 comes off through the groups' sums of x: sum(scale_w * (scale_x * sum(q * xq) -
+   128 * sum_x)). */
+__attribute__((target(Q8_AVX512), always_inline))
+static inline void block_q8_avx512(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t g, const int64_t kg,
+                                   __m512 *acc, __m512 *macc) {
+    const __mmask16 mg = kg == 16 ? 0xffff : (__mmask16)((1u << kg) - 1);
+    const __m512 sw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mg, scale + g));
+    const __m512 ws = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mg, x->scale + g));
+    *macc = _mm512_fmadd_ps(sw, _mm512_maskz_loadu_ps(mg, x->sum + g), *macc);
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kg; c += 2) {
+        const __mmask64 m = kg - c >= 2 ? ~0ULL : 0xffffffffULL;
+        const __m512i spread = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                _mm512_set1_epi32((int)c));
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(m, q + (g + c) * G),
+                                              _mm512_maskz_loadu_epi8(m, x->q + (g + c) * G));
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(spread, ws), *acc);
     }
-    return _mm512_reduce_add_ps(acc) - 128.0f * (_mm_cvtss_f32(macc) + _mm_cvtss_f32(_mm_shuffle_ps(macc, macc, 1)));
 }
 
-/* (q - 128) as int8 against int8 x by pmaddubsw on |w| and x with w's sign: the pair sums stay
-   under 2 * 128 * 127, inside int16. */
+__attribute__((target(Q8_AVX512)))
+static float dot_q8_avx512(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k) {
+    const int64_t ng = k / G;
+    __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 16 <= ng; g += 16) block_q8_avx512(q, scale, x, g, 16, &acc, &macc);
+    if (g < ng) block_q8_avx512(q, scale, x, g, ng - g, &acc, &macc);
+    return _mm512_reduce_add_ps(_mm512_fnmadd_ps(macc, _mm512_set1_ps(128.0f), acc));
+}
+
+/* (q - 128) as int8 against int8 x by pmaddubsw on |w| and x with w's sign (the pair sums stay
+   under 2 * 128 * 127, inside int16), kg groups from g (8 but at the row's end); the block's 8
+   scales converted once and multiplied by x's. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void block_q8_avx2(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t g, const int64_t kg,
+                                 __m256 *acc) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const __m256 ws = _mm256_mul_ps(pinfer_load8_ph(scale + g, kg), pinfer_load8_ps(x->scale + g, kg));
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kg; c++) {
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + (g + c) * G)), flip);
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + (g + c) * G));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                               _mm256_permutevar8x32_ps(ws, _mm256_set1_epi32((int)c)), *acc);
+    }
+}
+
 __attribute__((target("avx2,fma,f16c")))
 static float dot_q8_avx2(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const int64_t ng = k / G;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < k / G; g++) {
-        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + g * G)), flip);
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + g * G));
-        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
-        const float f = HALF(((const half_t *)scale)[g]) * x->scale[g];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(f), acc);
-    }
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) block_q8_avx2(q, scale, x, g, 8, &acc);
+    if (g < ng) block_q8_avx2(q, scale, x, g, ng - g, &acc);
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 }
 #endif
 
+/* One q8 row's dot with x quantized in element order. Rows are read one at a time, without
+   prefetch: SmolLM2's head (49152 x 576) read 25-27 GB/s so on one thread of a 2-core EPYC, 15-20
+   four rows at a time with or without the rows ahead prefetched (a throwaway timing of HeadStep). */
 static float dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa) {
 #ifdef PINFER_X86
     if (isa == ISA_AVX512) return dot_q8_avx512(q, scale, x, k);
@@ -172,21 +202,23 @@ static void lin_rows(void *p, int64_t r0, int64_t r1) {
     const lin_t *l = p;
     const linear_t *w = l->w;
     const int64_t k = w->k, ng = k / G;
+    const int blocks = w->fmt == FMT_Q4 || w->fmt == FMT_Q5;
+    const int64_t stride = k / 2;    /* q bytes a row */
     int64_t r = r0;
-    if (w->fmt == FMT_Q4 || w->fmt == FMT_Q5)   /* short rows four at a time: they share the loads of x */
-        for (; r < r1; r += 4) {
-            const int R = r1 - r >= 4 && k <= SHORT_ROW ? 4 : 1;
-            rows4_t rows;
-            for (int i = 0; i < R; i++) {
-                rows.q[i] = (const uint8_t *)w->q + (r + i) * (k / 2);
-                rows.qh[i] = w->qh ? w->qh + (r + i) * (k / 8) : NULL;
-                rows.scale[i] = w->scale + (r + i) * ng;
-                rows.min[i] = w->min ? w->min + (r + i) * ng : NULL;
-            }
-            const uint8_t *next = R == 4 && r + 4 + ROWS_AHEAD <= w->rows ? rows.q[0] + ROWS_AHEAD * (k / 2) : NULL;
-            pinfer_dot_rows_ahead(R, &rows, l->qx, k, l->y + r, next, k / 2);
-            if (R == 1) r -= 3;
+    /* short rows four at a time: they share the loads of x */
+    for (int R = 1; blocks && r < r1; r += R) {
+        R = r1 - r >= 4 && k <= SHORT_ROW ? 4 : 1;
+        rows4_t rows;
+        for (int i = 0; i < R; i++) {
+            rows.q[i] = (const uint8_t *)w->q + (r + i) * stride;
+            rows.qh[i] = w->qh ? w->qh + (r + i) * (k / 8) : NULL;
+            rows.scale[i] = w->scale + (r + i) * ng;
+            rows.min[i] = w->min ? w->min + (r + i) * ng : NULL;
         }
+        const uint8_t *next = R == 4 ? (r + 4 + ROWS_AHEAD <= w->rows ? rows.q[0] + ROWS_AHEAD * stride : NULL)
+                                     : (r + 1 < w->rows && k <= PREFETCH_ROW_MAX ? rows.q[0] + stride : NULL);
+        pinfer_dot_rows_ahead(R, &rows, l->qx, k, l->y + r, next, stride);
+    }
     for (; r < r1; r++) {
         float v;
         switch (w->fmt) {
@@ -240,33 +272,171 @@ typedef struct {
     const float *q;
     float *out, *scores;
     int64_t n;          /* positions attended: 0..n-1 */
+    int isa;
 } heads_t;
 
-PINFER_CLONES
+/* e^x for x <= 0 (a score less the top one), to about 1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by
+   a degree-6 polynomial (Cephes' expf coefficients), times 2^n. Below -87 it is taken as e^-87
+   (1.6e-38), which a softmax's sum cannot tell from 0. */
+#define EXP_POLY(fma, mul, add, set1, r)                                                              \
+    fma(fma(fma(fma(fma(fma(set1(1.9875691500e-4f), r, set1(1.3981999507e-3f)), r, set1(8.3334519073e-3f)), r, \
+                    set1(4.1665795894e-2f)), r, set1(1.6666665459e-1f)), r, set1(5.0000001201e-1f)),           \
+        mul(r, r), add(r, set1(1.0f)))
+
+static float exp_neg(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    const float n = nearbyintf(x * 1.44269504f), r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    const float p = ((((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+                       1.6666665459e-1f) * r + 5.0000001201e-1f) * r * r) + (r + 1.0f);
+    return ldexpf(p, (int)n);
+}
+
+/* One head over positions 0..n-1: scores s = scale q.K_j (softcapped), their softmax, o = sum p_j V_j.
+   Every ISA sums in the same order within its own lanes; the ISAs differ by float rounding only. */
+static void head_portable(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
+                          float softcap, float *s, float *o) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        float v = 0.0f;
+        for (int64_t i = 0; i < hd; i++) v += K[j * hd + i] * q[i];
+        v *= scale;
+        if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+        s[j] = v;
+        top = v > top ? v : top;
+    }
+    for (int64_t j = 0; j < n; j++) total += s[j] = exp_neg(s[j] - top);
+    memset(o, 0, (size_t)hd * sizeof(float));
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < hd; i++) o[i] += s[j] * V[j * hd + i];
+    const float inv = 1.0f / total;
+    for (int64_t i = 0; i < hd; i++) o[i] *= inv;
+}
+
+#ifdef PINFER_X86
+#define HEAD_AVX512 "avx512f,fma"
+__attribute__((target(HEAD_AVX512)))
+static inline __m512 exp_neg_avx512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    return _mm512_scalef_ps(EXP_POLY(_mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_set1_ps, r), n);
+}
+
+/* head_portable with hd in 16-wide lanes (the last ones masked). */
+__attribute__((target(HEAD_AVX512)))
+static void head_avx512(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
+                        float softcap, float *s, float *o) {
+    const int64_t nv = (hd + 15) / 16;
+    if (nv > 16) {
+        head_portable(q, K, V, n, hd, scale, softcap, s, o);
+        return;
+    }
+    __m512 qv[16], ov[16];
+    __mmask16 mk[16];
+    for (int64_t c = 0; c < nv; c++) {
+        mk[c] = hd - 16 * c >= 16 ? 0xffff : (__mmask16)((1u << (hd - 16 * c)) - 1);
+        qv[c] = _mm512_maskz_loadu_ps(mk[c], q + 16 * c);
+        ov[c] = _mm512_setzero_ps();
+    }
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nv; c++) a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk[c], K + j * hd + 16 * c), qv[c], a);
+        float v = scale * _mm512_reduce_add_ps(a);
+        if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+        s[j] = v;
+        top = v > top ? v : top;
+    }
+    __m512 tv = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp_neg_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(top)));
+        _mm512_mask_storeu_ps(s + j, m, e);
+        tv = _mm512_mask_add_ps(tv, m, tv, e);
+    }
+    for (j = 0; j < n; j++) {
+        const __m512 p = _mm512_set1_ps(s[j]);
+        for (int64_t c = 0; c < nv; c++) ov[c] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(mk[c], V + j * hd + 16 * c), ov[c]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(tv));
+    for (int64_t c = 0; c < nv; c++) _mm512_mask_storeu_ps(o + 16 * c, mk[c], _mm512_mul_ps(ov[c], inv));
+}
+
+__attribute__((target("avx2,fma")))
+static inline __m256 exp_neg_avx2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    const __m256 p = EXP_POLY(_mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_set1_ps, r);
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));   /* n >= -126: 2^n is a normal float */
+}
+
+/* head_portable with hd a multiple of 8, in 8-wide lanes. */
+__attribute__((target("avx2,fma")))
+static void head_avx2(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
+                      float softcap, float *s, float *o) {
+    const int64_t nv = hd / 8;
+    if (hd % 8 || nv > 16) {
+        head_portable(q, K, V, n, hd, scale, softcap, s, o);
+        return;
+    }
+    __m256 qv[16], ov[16];
+    for (int64_t c = 0; c < nv; c++) {
+        qv[c] = _mm256_loadu_ps(q + 8 * c);
+        ov[c] = _mm256_setzero_ps();
+    }
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nv; c++) a = _mm256_fmadd_ps(_mm256_loadu_ps(K + j * hd + 8 * c), qv[c], a);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        float v = scale * _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+        if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+        s[j] = v;
+        top = v > top ? v : top;
+    }
+    __m256 tv = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_neg_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(s + j, e);
+        tv = _mm256_add_ps(tv, e);
+    }
+    for (; j < n; j++) total += s[j] = exp_neg(s[j] - top);
+    for (j = 0; j < n; j++) {
+        const __m256 p = _mm256_set1_ps(s[j]);
+        for (int64_t c = 0; c < nv; c++) ov[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(V + j * hd + 8 * c), ov[c]);
+    }
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(tv), _mm256_extractf128_ps(tv, 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    const __m256 inv = _mm256_set1_ps(1.0f / (_mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + total));
+    for (int64_t c = 0; c < nv; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(ov[c], inv));
+}
+#endif
+
 static void heads(void *p, int64_t h0, int64_t h1) {
     const heads_t *t = p;
     const attn_call_t *a = t->a;
-    const int64_t hd = a->hd, n = t->n, group = a->n_head / a->n_kv;
+    const int64_t hd = a->hd, group = a->n_head / a->n_kv;
     for (int64_t h = h0; h < h1; h++) {
-        const float *q = t->q + h * hd;
         const float *K = a->k_cache + (h / group) * a->n_ctx * hd, *V = a->v_cache + (h / group) * a->n_ctx * hd;
-        float *s = t->scores + h * a->n_ctx, *o = t->out + h * hd, top = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            float v = a->scale * pinfer_dot_f32(K + j * hd, q, hd);
-            if (a->softcap > 0.0f) v = a->softcap * tanhf(v / a->softcap);
-            s[j] = v;
-            top = v > top ? v : top;
+        float *s = t->scores + h * a->n_ctx, *o = t->out + h * hd, *q = (float *)t->q + h * hd;
+#ifdef PINFER_X86
+        if (t->isa == ISA_AVX512) {
+            head_avx512(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
+            continue;
         }
-        float total = 0.0f;
-        for (int64_t j = 0; j < n; j++) total += s[j] = expf(s[j] - top);
-        memset(o, 0, (size_t)hd * sizeof(float));
-        for (int64_t j = 0; j < n; j++) {
-            const float pj = s[j];
-            const float *vj = V + j * hd;
-            for (int64_t i = 0; i < hd; i++) o[i] += pj * vj[i];
+        if (t->isa == ISA_AVX2) {
+            head_avx2(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
+            continue;
         }
-        const float inv = 1.0f / total;
-        for (int64_t i = 0; i < hd; i++) o[i] *= inv;
+#endif
+        head_portable(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
     }
 }
 
@@ -297,7 +467,7 @@ static void attn_token(const attn_call_t *a, int threads, int isa) {
         memcpy(a->k_cache + (h * a->n_ctx + pos) * hd, k + h * hd, (size_t)hd * sizeof(float));
         memcpy(a->v_cache + (h * a->n_ctx + pos) * hd, v + h * hd, (size_t)hd * sizeof(float));
     }
-    heads_t t = {a, q, att, scores, pos + 1};
+    heads_t t = {a, q, att, scores, pos + 1, isa};
     pinfer_parallel(a->n_head * (pos + 1) * hd >= PARALLEL_WORK / 4 ? threads : 1, a->n_head, heads, &t);
 
     linear(&a->out, att, x, qbuf, threads, isa);

@@ -29,21 +29,44 @@
    smollm2 --formats int4 --fractions 1 (dense FFN 11.5 -> 19.7 GB/s with the four-row reads) and
    benchmarks/row_dots.py (the rows as the head reads them). */
 #define SHORT_ROW 1024
+/* A long row read alone has the next row prefetched meanwhile up to this many weights; longer ones
+   are left to the hardware prefetcher, which a second stream slows (2-core EPYC, AVX-512, a C
+   harness over pinfer_dot_rows_ahead not kept: rows of 1536-8192 read 2-15% faster with the next
+   row prefetched, rows of 11008 20.3 against 25.4 GB/s without). */
+#define PREFETCH_ROW_MAX 8192
 
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 typedef struct {
     int8_t *q;      /* (d) in chunk order */
     float *scale;   /* (d/G) */
-    float *lanes;   /* (d/8): each group's scale four times, one per 32-bit lane of its sums */
     float *sum;     /* (d/G) the sum of the group's x (float): meets the weights' min */
-    int32_t *off;   /* (d/8) per 32-bit lane of the AVX-512 sums, -8 * the sum of the q it meets */
-    int16_t *off16; /* (d/4) the same per 16-bit lane of the AVX2 sums */
+    float *corr;    /* (d/G) -8 * scale * the sum of the group's q: meets the weights' scale for the zero point */
 } qx_t;
 
 /* Bytes of one qx_t of length d in a single block, and its parts placed in such a block. */
 int64_t pinfer_qx_bytes(int64_t d);
 qx_t pinfer_qx_at(void *mem, int64_t d);
+
+#ifdef PINFER_X86
+/* AVX2 loads of a row's last n < 8 floats or halves (as floats), the rest zero, without reading past
+   them (and without a copy through memory, which would stall the load on the store). */
+__attribute__((target("avx2"), always_inline))
+static inline __m256 pinfer_load8_ps(const float *p, int64_t n) {
+    if (n == 8) return _mm256_loadu_ps(p);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+__attribute__((target("avx2,f16c"), always_inline))
+static inline __m256 pinfer_load8_ph(const uint16_t *p, int64_t n) {
+    if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m128i h = _mm_maskload_epi32((const int *)p, _mm_cmpgt_epi32(_mm_set1_epi32((int)(n / 2)), _mm_setr_epi32(0, 1, 2, 3)));
+    if (n & 1)
+        h = _mm_blendv_epi8(h, _mm_set1_epi16((short)p[n - 1]),
+                            _mm_cmpeq_epi16(_mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7), _mm_set1_epi16((short)(n - 1))));
+    return _mm256_cvtph_ps(h);
+}
+#endif
 
 int pinfer_sparse_isa(int want);
 void pinfer_quantize_x(const float *x, int64_t d, qx_t *o);

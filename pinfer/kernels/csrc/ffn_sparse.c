@@ -64,47 +64,37 @@ static inline int64_t chunk_pos(int64_t g, int64_t e, int64_t ng) {
     return 4 * c * G + (e % 2) * 16 * in_chunk + k * 16 + e / 2;
 }
 
+PINFER_CLONES
 static void quantize_x(const float *x, int64_t d, qx_t *o) {
     const int64_t ng = d / G;
     for (int64_t g = 0; g < ng; g++) {
+        const float *xg = x + g * G;
         float amax = 0.0f;
-        for (int64_t e = 0; e < G; e++) amax = fmaxf(amax, fabsf(x[g * G + e]));
+        for (int64_t e = 0; e < G; e++) {
+            const float a = fabsf(xg[e]);
+            amax = a > amax ? a : amax;
+        }
         const float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
         int8_t *even = o->q + chunk_pos(g, 0, ng), *odd = o->q + chunk_pos(g, 1, ng);
         float total = 0.0f;
+        int32_t qsum = 0;
         for (int64_t e = 0; e < G / 2; e++) {
-            even[e] = (int8_t)lrintf(x[g * G + 2 * e] * inv);
-            odd[e] = (int8_t)lrintf(x[g * G + 2 * e + 1] * inv);
-            total += x[g * G + 2 * e] + x[g * G + 2 * e + 1];
+            even[e] = (int8_t)lrintf(xg[2 * e] * inv);
+            odd[e] = (int8_t)lrintf(xg[2 * e + 1] * inv);
+            total += xg[2 * e] + xg[2 * e + 1];
+            qsum += even[e] + odd[e];
         }
         o->scale[g] = s;
         o->sum[g] = total;      /* of x itself: a weight's min meets x exactly, as in the ONNX graphs */
-        for (int k = 0; k < 4; k++) o->lanes[4 * g + k] = s;
-    }
-    /* the offsets: -8 * the q each lane of the integer sums meets (byte b of a chunk's even plane
-       and of its odd plane feed 32-bit lane b/4 and 16-bit lane b/2 of that chunk's sums) */
-    for (int64_t c0 = 0; c0 < ng; c0 += 4) {
-        const int64_t k = ng - c0 < 4 ? ng - c0 : 4;
-        const int8_t *even = o->q + c0 * G, *odd = even + 16 * k;
-        for (int64_t l = 0; l < 4 * k; l++) o->off[4 * c0 + l] = 0;
-        for (int64_t b = 0; b < 16 * k; b += 2) {
-            const int v = even[b] + even[b + 1] + odd[b] + odd[b + 1];
-            o->off16[8 * c0 + b / 2] = (int16_t)(-8 * v);
-            o->off[4 * c0 + b / 4] -= 8 * v;
-        }
+        o->corr[g] = -8.0f * s * (float)qsum;   /* the zero point 8 against the group's int8 x */
     }
 }
 
-int64_t pinfer_qx_bytes(int64_t d) {
-    return (int64_t)sizeof(float) * (d / G * 2 + d / 8) + (int64_t)sizeof(int32_t) * (d / 8) +
-           (int64_t)sizeof(int16_t) * (d / 4) + d;
-}
+int64_t pinfer_qx_bytes(int64_t d) { return (int64_t)sizeof(float) * (d / G * 3) + d; }
 
 qx_t pinfer_qx_at(void *mem, int64_t d) {
     float *f = mem;
-    int32_t *off = (int32_t *)(f + d / G * 2 + d / 8);
-    int16_t *off16 = (int16_t *)(off + d / 8);
-    const qx_t qx = {(int8_t *)(off16 + d / 4), f, f + d / G * 2, f + d / G, off, off16};
+    const qx_t qx = {(int8_t *)(f + d / G * 3), f, f + d / G, f + d / G * 2};
     return qx;
 }
 
@@ -123,7 +113,8 @@ static inline uint32_t fifth_bits(const uint8_t *qh, int64_t g) {
 static float dot_q4_portable(const uint8_t *q, const uint8_t *qh, const uint16_t *scale, const uint16_t *min,
                              const qx_t *x, int64_t d) {
     const int64_t ng = d / G;
-    const int off = qh ? 16 : 8;     /* the zero point, in the integer sums (rows_q4_avx512 says why) */
+    const int off = qh ? 16 : 8;     /* the zero point, in the integer sums here (the SIMD rows take it
+                                        per group through x->corr) */
     float acc = 0.0f;
     for (int64_t g = 0; g < ng; g++) {
         int32_t s = 0;
@@ -164,65 +155,74 @@ static inline float hsum128(__m128 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
 
-/* One chunk of k groups (k = 4 but at the end of a row) of R rows: the loop body of
-   rows_q4_avx512, inlined with k a constant in its main loop (no masks computed there). */
+/* A block of kg groups from g (kg = 16 but at the end of a row: four chunks, 256 weight bytes a
+   row) of R rows: the integer sums of each chunk's 16 lanes (four per group) by vpdpbusd, scaled
+   by the group's product of the two scales, one conversion of the block's 16 scales per row; the
+   zero point and the mins per group, in float, once per block (rows_q4_avx512 says how). */
 __attribute__((target(AVX512_DOTS), always_inline))
-static inline void chunk_avx512(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t g,
-                                const int64_t k, __m512 *acc, __m128 *macc, const uint8_t *next, int64_t nstride) {
+static inline void block_avx512(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t g,
+                                const int64_t kg, __m512 *acc, __m512 *cacc, const uint8_t *next, int64_t nstride) {
     const __m512i low4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
-    const __mmask16 m4 = (__mmask16)((1u << (4 * k)) - 1);
-    const __mmask8 m1 = (__mmask8)((1u << k) - 1);
-    const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + g * G);
-    const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + g * G + 16 * k);
-    const __m512 lanes = _mm512_maskz_loadu_ps(m4, x->lanes + 4 * g);
-    __m512i off = _mm512_maskz_loadu_epi32(m4, x->off + 4 * g);
-    if (QH) off = _mm512_slli_epi32(off, 1);
-    const __m128 xs = MIN ? _mm_maskz_loadu_ps(m1, x->sum + g) : _mm_setzero_ps();
-    if (next)
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(next + r * nstride + g * 16), _MM_HINT_T0);
+    const __mmask16 mg = kg == 16 ? 0xffff : (__mmask16)((1u << kg) - 1);
+    const __m512 xs = _mm512_maskz_loadu_ps(mg, x->scale + g);
+    __m512 xc = _mm512_maskz_loadu_ps(mg, x->corr + g);
+    if (QH) xc = _mm512_add_ps(xc, xc);
+    const __m512 xsum = MIN ? _mm512_maskz_loadu_ps(mg, x->sum + g) : _mm512_setzero_ps();
+    __m512 ws[4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        const __m512i v = _mm512_maskz_loadu_epi8(m, w->q[r] + g * 16);
-        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if (QH) {
-            __mmask64 me, mo;
-            fifth_masks(w->qh[r], g, k, &me, &mo);
-            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(me, sixteen));
-            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mo, sixteen));
-        }
-        __m512i s = _mm512_dpbusd_epi32(off, lo, xe);
-        s = _mm512_dpbusd_epi32(s, hi, xo);
-        const __m128 sw4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(m1, w->scale[r] + g));
-        const __m512 sw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sw4));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sw, lanes), acc[r]);
+        if (next)
+            for (int64_t c = 0; c < kg; c += 4) _mm_prefetch((const char *)(next + r * nstride + (g + c) * 16), _MM_HINT_T0);
+        const __m512 sw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mg, w->scale[r] + g));
+        ws[r] = _mm512_mul_ps(sw, xs);
+        cacc[r] = _mm512_fmadd_ps(sw, xc, cacc[r]);
         if (MIN)    /* min + zero point * scale, against x itself */
-            macc[r] = _mm_fmadd_ps(_mm_fmadd_ps(sw4, _mm_set1_ps(QH ? 16.0f : 8.0f),
-                                                _mm_cvtph_ps(_mm_maskz_loadu_epi16(m1, w->min[r] + g))), xs, macc[r]);
+            cacc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(sw, _mm512_set1_ps(QH ? 16.0f : 8.0f),
+                                                      _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mg, w->min[r] + g))),
+                                      xsum, cacc[r]);
+    }
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < 4; c++) {
+        const int64_t k = kg - 4 * c < 4 ? kg - 4 * c : 4, gc = g + 4 * c;
+        if (k <= 0) break;
+        const __mmask64 m = k == 4 ? ~0ULL : (1ULL << (16 * k)) - 1;
+        const __m512i xe = _mm512_maskz_loadu_epi8(m, x->q + gc * G);
+        const __m512i xo = _mm512_maskz_loadu_epi8(m, x->q + gc * G + 16 * k);
+        const __m512i spread = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                                _mm512_set1_epi32((int)(4 * c)));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m512i v = _mm512_maskz_loadu_epi8(m, w->q[r] + gc * 16);
+            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            if (QH) {
+                __mmask64 me, mo;
+                fifth_masks(w->qh[r], gc, k, &me, &mo);
+                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(me, sixteen));
+                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mo, sixteen));
+            }
+            const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(spread, ws[r]), acc[r]);
+        }
     }
 }
 
-/* R rows (R constant where inlined) against one quantized x, four groups (64 weight bytes a row)
-   per step: each load of x serves the R rows. Every row meets x as scale * (q - z), z the zero
-   point (8, or 16 for q5), which is in the integer sums from the start (x->off); a row with a min
-   adds (min + z * scale) * sum(x) per group, x itself (as the ONNX graphs do: the centred part
-   against int8 x errs less than q * scale would).
+/* R rows (R constant where inlined) against one quantized x, sixteen groups per step: each load of
+   x serves the R rows. Every row meets x as scale * (q - z), z the zero point (8, or 16 for q5):
+   the integer sums take q as it is, and z comes back per group as scale * x->corr (-8 * x's scale *
+   the sum of its q, twice that for q5); a row with a min adds (min + z * scale) * sum(x) per group,
+   x itself (as the ONNX graphs do: the centred part against int8 x errs less than q * scale would).
    next: rows to prefetch meanwhile (R of them, nstride bytes apart), or NULL. */
 __attribute__((target(AVX512_DOTS), always_inline))
 static inline void rows_q4_avx512(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x,
                                   int64_t d, float *out, const uint8_t *next, int64_t nstride) {
     const int64_t ng = d / G;
     const __m512 z = _mm512_setzero_ps();
-    const __m128 z4 = _mm_setzero_ps();
-    __m512 acc[4] = {z, z, z, z};
-    __m128 macc[4] = {z4, z4, z4, z4};
+    __m512 acc[4] = {z, z, z, z}, cacc[4] = {z, z, z, z};
     int64_t g = 0;
-    for (; g + 4 <= ng; g += 4) chunk_avx512(R, MIN, QH, w, x, g, 4, acc, macc, next, nstride);
-    if (g < ng) chunk_avx512(R, MIN, QH, w, x, g, ng - g, acc, macc, next, nstride);
+    for (; g + 16 <= ng; g += 16) block_avx512(R, MIN, QH, w, x, g, 16, acc, cacc, next, nstride);
+    if (g < ng) block_avx512(R, MIN, QH, w, x, g, ng - g, acc, cacc, next, nstride);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + (MIN ? hsum128(macc[r]) : 0.0f);
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], cacc[r]));
 }
 
 /* 0x10 in byte j where bit j of m is set (the fifth bits of two groups' nibble plane). */
@@ -241,82 +241,83 @@ static inline float hsum256(__m256 acc) {
     return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 }
 
-/* rows_q4_avx512 on AVX2: two groups (32 weight bytes a row) per step by pmaddubsw, the zero
-   point's offset added to the 16-bit pair sums (x->off16; |sums| stay under 2^15: at most
-   2 * 2 * 31 * 127 + 16 * 4 * 127). */
+/* block_avx512 on AVX2: kg groups from g (eight but at the end of a row) of R rows, two groups (32
+   weight bytes a row) per step by pmaddubsw on q as it is (the pair sums stay under 2 * 31 * 127,
+   their sums under 2^15), one group at a row's odd end; the block's eight scales converted once a
+   row. ng: the row's groups (the chunks' widths). */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void block_avx2(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t ng,
+                              int64_t g, const int64_t kg, __m256 *acc, __m256 *cacc) {
+    const __m256i l4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256 xs = pinfer_load8_ps(x->scale + g, kg), xm = MIN ? pinfer_load8_ps(x->sum + g, kg) : _mm256_setzero_ps();
+    __m256 xc = pinfer_load8_ps(x->corr + g, kg);
+    if (QH) xc = _mm256_add_ps(xc, xc);
+    __m256 ws[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m256 sw = pinfer_load8_ph(w->scale[r] + g, kg);
+        ws[r] = _mm256_mul_ps(sw, xs);
+        cacc[r] = _mm256_fmadd_ps(sw, xc, cacc[r]);
+        if (MIN)    /* min + zero point * scale, against x itself */
+            cacc[r] = _mm256_fmadd_ps(_mm256_fmadd_ps(sw, _mm256_set1_ps(QH ? 16.0f : 8.0f), pinfer_load8_ph(w->min[r] + g, kg)),
+                                      xm, cacc[r]);
+    }
+    int64_t i = 0;
+#pragma GCC unroll 4
+    for (; i + 2 <= kg; i += 2) {
+        const int64_t gc = g + i, c0 = gc / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, at = gc - c0;
+        const __m256i xe = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * at));
+        const __m256i xo = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * k + 16 * at));
+        const __m256i spread = _mm256_setr_epi32((int)i, (int)i, (int)i, (int)i, (int)i + 1, (int)i + 1, (int)i + 1, (int)i + 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w->q[r] + gc * 16));
+            __m256i lo = _mm256_and_si256(v, l4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), l4);
+            if (QH) {
+                const uint32_t h0 = fifth_bits(w->qh[r], gc), h1 = fifth_bits(w->qh[r], gc + 1);
+                lo = _mm256_or_si256(lo, sixteens_avx2((h0 & 0xffff) | h1 << 16));
+                hi = _mm256_or_si256(hi, sixteens_avx2(h0 >> 16 | (h1 & 0xffff0000u)));
+            }
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_permutevar8x32_ps(ws[r], spread),
+                                     acc[r]);
+        }
+    }
+    if (i < kg) {   /* one group left: the chunk holds k groups; this is group `at` of it */
+        const int64_t gc = g + i, c0 = gc / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, at = gc - c0;
+        const __m128i xe = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * at));
+        const __m128i xo = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * k + 16 * at));
+        const __m128i low4 = _mm_set1_epi8(15);
+        const __m256i spread = _mm256_set1_epi32((int)i);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(w->q[r] + gc * 16));
+            __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+            if (QH) {
+                const __m256i h = sixteens_avx2(fifth_bits(w->qh[r], gc));   /* evens in the low half */
+                lo = _mm_or_si128(lo, _mm256_castsi256_si128(h));
+                hi = _mm_or_si128(hi, _mm256_extracti128_si256(h, 1));
+            }
+            const __m128i p = _mm_add_epi16(_mm_maddubs_epi16(lo, xe), _mm_maddubs_epi16(hi, xo));
+            const __m128 sums = _mm_cvtepi32_ps(_mm_madd_epi16(p, _mm_set1_epi16(1)));
+            const __m256 s8 = _mm256_insertf128_ps(_mm256_setzero_ps(), sums, 0);
+            acc[r] = _mm256_fmadd_ps(s8, _mm256_permutevar8x32_ps(ws[r], spread), acc[r]);
+        }
+    }
+}
+
+/* rows_q4_avx512 on AVX2, eight groups per step. */
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void rows_q4_avx2(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t d,
                                 float *out) {
     const int64_t ng = d / G;
-    const __m256i l4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     const __m256 z = _mm256_setzero_ps();
-    const __m128 z4 = _mm_setzero_ps();
-    __m256 acc[4] = {z, z, z, z};
-    __m128 macc[4] = {z4, z4, z4, z4};
+    __m256 acc[4] = {z, z, z, z}, cacc[4] = {z, z, z, z};
     int64_t g = 0;
-    for (; g + 2 <= ng; g += 2) {
-        const int64_t c0 = g / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, i = g - c0;
-        const __m256i xe = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * i));
-        const __m256i xo = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * k + 16 * i));
-        __m256i off = _mm256_loadu_si256((const __m256i *)(x->off16 + 8 * c0 + 8 * i));
-        if (QH) off = _mm256_slli_epi16(off, 1);
-        const __m256 lanes = _mm256_loadu_ps(x->lanes + 4 * g);
-        const __m128 xs = _mm_castpd_ps(_mm_load_sd((const double *)(x->sum + g)));
+    for (; g + 8 <= ng; g += 8) block_avx2(R, MIN, QH, w, x, ng, g, 8, acc, cacc);
+    if (g < ng) block_avx2(R, MIN, QH, w, x, ng, g, ng - g, acc, cacc);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w->q[r] + g * 16));
-            __m256i lo = _mm256_and_si256(v, l4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), l4);
-            if (QH) {
-                const uint32_t h0 = fifth_bits(w->qh[r], g), h1 = fifth_bits(w->qh[r], g + 1);
-                lo = _mm256_or_si256(lo, sixteens_avx2((h0 & 0xffff) | h1 << 16));
-                hi = _mm256_or_si256(hi, sixteens_avx2(h0 >> 16 | (h1 & 0xffff0000u)));
-            }
-            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-            p = _mm256_add_epi16(p, off);
-            int32_t sc2;
-            memcpy(&sc2, w->scale[r] + g, 4);
-            const __m128 sw2 = _mm_cvtph_ps(_mm_cvtsi32_si128(sc2));
-            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(sw2), spread);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_mul_ps(sw, lanes), acc[r]);
-            if (MIN) {
-                int32_t mn2;
-                memcpy(&mn2, w->min[r] + g, 4);
-                macc[r] = _mm_fmadd_ps(_mm_fmadd_ps(sw2, _mm_set1_ps(QH ? 16.0f : 8.0f),
-                                                    _mm_cvtph_ps(_mm_cvtsi32_si128(mn2))), xs, macc[r]);
-            }
-        }
-    }
-    if (g < ng) {   /* one group left: the chunk holds k groups; this is group i of it */
-        const int64_t c0 = g / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, i = g - c0;
-        const __m128i xe = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * i));
-        const __m128i xo = _mm_loadu_si128((const __m128i *)(x->q + c0 * G + 16 * k + 16 * i));
-        const __m128i off = _mm_loadu_si128((const __m128i *)(x->off16 + 8 * c0 + 8 * i));
-        const __m128i low4 = _mm_set1_epi8(15);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const __m128i v = _mm_loadu_si128((const __m128i *)(w->q[r] + g * 16));
-            __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-            if (QH) {
-                const __m256i h = sixteens_avx2(fifth_bits(w->qh[r], g));   /* evens in the low half */
-                lo = _mm_or_si128(lo, _mm256_castsi256_si128(h));
-                hi = _mm_or_si128(hi, _mm256_extracti128_si256(h, 1));
-            }
-            __m128i p = _mm_add_epi16(_mm_maddubs_epi16(lo, xe), _mm_maddubs_epi16(hi, xo));
-            p = _mm_add_epi16(p, QH ? _mm_slli_epi16(off, 1) : off);
-            const float sg = HALF(((const half_t *)w->scale[r])[g]), f = sg * x->scale[g];
-            const __m128 s = _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(p, _mm_set1_epi16(1))), _mm_set1_ps(f));
-            acc[r] = _mm256_add_ps(acc[r], _mm256_insertf128_ps(_mm256_setzero_ps(), s, 0));
-            if (MIN)
-                macc[r] = _mm_add_ss(macc[r], _mm_set_ss((HALF(((const half_t *)w->min[r])[g]) + (QH ? 16.0f : 8.0f) * sg) *
-                                                         x->sum[g]));
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const __m128 m = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
-        out[r] = hsum256(acc[r]) + _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
-    }
+    for (int r = 0; r < R; r++) out[r] = hsum256(_mm256_add_ps(acc[r], cacc[r]));
 }
 
 /* The row counts the callers use (1, 2, 4), with and without mins and fifth bits: each a function of
@@ -960,7 +961,7 @@ static void row_dots(void *p, int64_t b0, int64_t b1) {
             rows.scale[r] = wd->scale + (i + r) * gn;
             rows.min[r] = wd->min ? wd->min + (i + r) * gn : NULL;
         }
-        const uint8_t *next = i + R < d ? wd->q + (i + R) * (n / 2) : NULL;
+        const uint8_t *next = i + R < d && n <= PREFETCH_ROW_MAX ? wd->q + (i + R) * (n / 2) : NULL;
         for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
             const int64_t t = __builtin_ctzll(bits);
             dot_rows(R, &rows, &w->qx[t], n, w->y + t * d + i, next, n / 2);
