@@ -30,6 +30,7 @@ first model.
 
 import argparse
 import contextlib
+import gc
 import io
 import statistics
 import sys
@@ -105,6 +106,8 @@ def measure(pinf, gguf, threads, a):
         return ours, theirs, accounting.weight_bytes_per_token(model.reader, model.cfg) / 1e6
     finally:
         llama.close()
+        model = None
+        gc.collect()    # the model's bound steps hold it in cycles: a 7B one must go before the next loads
 
 
 def main(argv=None):

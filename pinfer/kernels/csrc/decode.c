@@ -275,22 +275,6 @@ typedef struct {
     int isa;
 } heads_t;
 
-/* e^x for x <= 0 (a score less the top one), to about 1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by
-   a degree-6 polynomial (Cephes' expf coefficients), times 2^n. Below -87 it is taken as e^-87
-   (1.6e-38), which a softmax's sum cannot tell from 0. */
-#define EXP_POLY(fma, mul, add, set1, r)                                                              \
-    fma(fma(fma(fma(fma(fma(set1(1.9875691500e-4f), r, set1(1.3981999507e-3f)), r, set1(8.3334519073e-3f)), r, \
-                    set1(4.1665795894e-2f)), r, set1(1.6666665459e-1f)), r, set1(5.0000001201e-1f)),           \
-        mul(r, r), add(r, set1(1.0f)))
-
-static float exp_neg(float x) {
-    x = x > -87.0f ? x : -87.0f;
-    const float n = nearbyintf(x * 1.44269504f), r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    const float p = ((((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
-                       1.6666665459e-1f) * r + 5.0000001201e-1f) * r * r) + (r + 1.0f);
-    return ldexpf(p, (int)n);
-}
-
 /* One head over positions 0..n-1: scores s = scale q.K_j (softcapped), their softmax, o = sum p_j V_j.
    Every ISA sums in the same order within its own lanes; the ISAs differ by float rounding only. */
 static void head_portable(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
@@ -304,7 +288,7 @@ static void head_portable(const float *q, const float *K, const float *V, int64_
         s[j] = v;
         top = v > top ? v : top;
     }
-    for (int64_t j = 0; j < n; j++) total += s[j] = exp_neg(s[j] - top);
+    for (int64_t j = 0; j < n; j++) total += s[j] = expf(s[j] - top);
     memset(o, 0, (size_t)hd * sizeof(float));
     for (int64_t j = 0; j < n; j++)
         for (int64_t i = 0; i < hd; i++) o[i] += s[j] * V[j * hd + i];
@@ -314,15 +298,6 @@ static void head_portable(const float *q, const float *K, const float *V, int64_
 
 #ifdef PINFER_X86
 #define HEAD_AVX512 "avx512f,fma"
-__attribute__((target(HEAD_AVX512)))
-static inline __m512 exp_neg_avx512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    return _mm512_scalef_ps(EXP_POLY(_mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_set1_ps, r), n);
-}
-
 /* head_portable with hd in 16-wide lanes (the last ones masked). */
 __attribute__((target(HEAD_AVX512)))
 static void head_avx512(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
@@ -352,7 +327,7 @@ static void head_avx512(const float *q, const float *K, const float *V, int64_t 
     int64_t j = 0;
     for (; j < n; j += 16) {
         const __mmask16 m = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 e = exp_neg_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(top)));
+        const __m512 e = pinfer_exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(top)));
         _mm512_mask_storeu_ps(s + j, m, e);
         tv = _mm512_mask_add_ps(tv, m, tv, e);
     }
@@ -362,17 +337,6 @@ static void head_avx512(const float *q, const float *K, const float *V, int64_t 
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(tv));
     for (int64_t c = 0; c < nv; c++) _mm512_mask_storeu_ps(o + 16 * c, mk[c], _mm512_mul_ps(ov[c], inv));
-}
-
-__attribute__((target("avx2,fma")))
-static inline __m256 exp_neg_avx2(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-    const __m256 p = EXP_POLY(_mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_set1_ps, r);
-    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));   /* n >= -126: 2^n is a normal float */
 }
 
 /* head_portable with hd a multiple of 8, in 8-wide lanes. */
@@ -403,11 +367,11 @@ static void head_avx2(const float *q, const float *K, const float *V, int64_t n,
     __m256 tv = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp_neg_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+        const __m256 e = pinfer_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
         _mm256_storeu_ps(s + j, e);
         tv = _mm256_add_ps(tv, e);
     }
-    for (; j < n; j++) total += s[j] = exp_neg(s[j] - top);
+    for (; j < n; j++) total += s[j] = expf(s[j] - top);
     for (j = 0; j < n; j++) {
         const __m256 p = _mm256_set1_ps(s[j]);
         for (int64_t c = 0; c < nv; c++) ov[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(V + j * hd + 8 * c), ov[c]);

@@ -5,6 +5,7 @@
 #ifndef PINFER_DOTS_H
 #define PINFER_DOTS_H
 
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -65,6 +66,38 @@ static inline __m256 pinfer_load8_ph(const uint16_t *p, int64_t n) {
         h = _mm_blendv_epi8(h, _mm_set1_epi16((short)p[n - 1]),
                             _mm_cmpeq_epi16(_mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7), _mm_set1_epi16((short)(n - 1))));
     return _mm256_cvtph_ps(h);
+}
+#endif
+
+#ifdef PINFER_X86
+/* e^x in 16 (8) lanes to about 1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial
+   (Cephes' expf coefficients), times 2^n. Below -87 it is e^-87 (1.6e-38, which passes for 0 in the
+   softmax and SiLU sums it meets); above 88.72 infinity, as expf (a SiLU of a very negative gate is
+   then -0, as libm's). */
+#define PINFER_EXP_POLY(fma, mul, add, set1, r)                                                       \
+    fma(fma(fma(fma(fma(fma(set1(1.9875691500e-4f), r, set1(1.3981999507e-3f)), r, set1(8.3334519073e-3f)), r, \
+                    set1(4.1665795894e-2f)), r, set1(1.6666665459e-1f)), r, set1(5.0000001201e-1f)),           \
+        mul(r, r), add(r, set1(1.0f)))
+
+__attribute__((target("avx512f,fma"), always_inline))
+static inline __m512 pinfer_exp_avx512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-87.0f));   /* 2^n: inf past 88.72 */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    return _mm512_scalef_ps(PINFER_EXP_POLY(_mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_set1_ps, r), n);
+}
+
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 pinfer_exp_avx2(__m256 x0) {
+    const __m256 x = _mm256_max_ps(_mm256_min_ps(x0, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    const __m256 p = PINFER_EXP_POLY(_mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_set1_ps, r);
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));   /* -126 <= n <= 127: 2^n is a normal float */
+    return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x0, _mm256_set1_ps(88.7228f), _CMP_GT_OQ));
 }
 #endif
 
