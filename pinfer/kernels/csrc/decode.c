@@ -344,16 +344,16 @@ __attribute__((target("avx2,fma")))
 static void head_avx2(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
                       float softcap, float *s, float *o) {
     const int64_t nv = hd / 8;
-    if (hd % 8 || nv > 16) {
+    if (hd % 8 || nv > 32) {
         head_portable(q, K, V, n, hd, scale, softcap, s, o);
         return;
     }
-    __m256 qv[16], ov[16];
+    __m256 qv[32], ov[32];
     for (int64_t c = 0; c < nv; c++) {
         qv[c] = _mm256_loadu_ps(q + 8 * c);
         ov[c] = _mm256_setzero_ps();
     }
-    float top = -INFINITY, total = 0.0f;
+    float top = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
         __m256 a = _mm256_setzero_ps();
         for (int64_t c = 0; c < nv; c++) a = _mm256_fmadd_ps(_mm256_loadu_ps(K + j * hd + 8 * c), qv[c], a);
@@ -366,19 +366,21 @@ static void head_avx2(const float *q, const float *K, const float *V, int64_t n,
     }
     __m256 tv = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 e = pinfer_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
-        _mm256_storeu_ps(s + j, e);
+    for (; j < n; j += 8) {     /* the last lanes masked: a position's weight is the same bits wherever it is */
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 e = _mm256_and_ps(pinfer_exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), _mm256_set1_ps(top))),
+                                       _mm256_castsi256_ps(m));
+        _mm256_maskstore_ps(s + j, m, e);
         tv = _mm256_add_ps(tv, e);
     }
-    for (; j < n; j++) total += s[j] = expf(s[j] - top);
     for (j = 0; j < n; j++) {
         const __m256 p = _mm256_set1_ps(s[j]);
         for (int64_t c = 0; c < nv; c++) ov[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(V + j * hd + 8 * c), ov[c]);
     }
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(tv), _mm256_extractf128_ps(tv, 1));
     const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    const __m256 inv = _mm256_set1_ps(1.0f / (_mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + total));
+    const __m256 inv = _mm256_set1_ps(1.0f / _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))));
     for (int64_t c = 0; c < nv; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(ov[c], inv));
 }
 #endif

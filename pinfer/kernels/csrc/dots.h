@@ -81,7 +81,8 @@ static inline __m256 pinfer_load8_ph(const uint16_t *p, int64_t n) {
 
 __attribute__((target("avx512f,fma"), always_inline))
 static inline __m512 pinfer_exp_avx512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-87.0f));   /* 2^n: inf past 88.72 */
+    /* x second: min and max return it where it is NaN, which then goes through (2^n: inf past 88.72) */
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(100.0f), x));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
@@ -90,13 +91,15 @@ static inline __m512 pinfer_exp_avx512(__m512 x) {
 
 __attribute__((target("avx2,fma"), always_inline))
 static inline __m256 pinfer_exp_avx2(__m256 x0) {
-    const __m256 x = _mm256_max_ps(_mm256_min_ps(x0, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.7228f), x0));  /* NaN stays */
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
     const __m256 p = PINFER_EXP_POLY(_mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_set1_ps, r);
-    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));   /* -126 <= n <= 127: 2^n is a normal float */
+    /* 2^n = 2^(n - s) * (1 + s), s = 1 where n > 0: -126 <= n - s <= 127 is a normal float's exponent */
+    const __m256 s = _mm256_and_ps(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(_mm256_sub_ps(n, s)), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), _mm256_add_ps(s, _mm256_set1_ps(1.0f)));
     return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x0, _mm256_set1_ps(88.7228f), _CMP_GT_OQ));
 }
 #endif

@@ -930,7 +930,8 @@ static void rules_avx512(int act, const float *g, const float *u, int64_t n, int
             a = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), pinfer_exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z))));
         }
         __m512 hv = _mm512_mul_ps(a, uv);
-        if (cut) hv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(hv), _mm512_set1_ps(thr), _CMP_GE_OQ), hv);
+        /* kept unless |h| < thr, as rule() keeps a NaN */
+        if (cut) hv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(hv), _mm512_set1_ps(thr), _CMP_NLT_UQ), hv);
         _mm512_mask_storeu_ps(h + i, m, hv);
     }
 }
@@ -955,7 +956,7 @@ static void rules_avx2(int act, const float *g, const float *u, int64_t n, int m
         __m256 hv = _mm256_mul_ps(a, uv);
         if (cut) {
             const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), hv);
-            hv = _mm256_and_ps(hv, _mm256_cmp_ps(mag, _mm256_set1_ps(thr), _CMP_GE_OQ));
+            hv = _mm256_and_ps(hv, _mm256_cmp_ps(mag, _mm256_set1_ps(thr), _CMP_NLT_UQ));
         }
         _mm256_maskstore_ps(h + i, m, hv);
     }
