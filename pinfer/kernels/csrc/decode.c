@@ -215,8 +215,7 @@ static void lin_rows(void *p, int64_t r0, int64_t r1) {
             rows.scale[i] = w->scale + (r + i) * ng;
             rows.min[i] = w->min ? w->min + (r + i) * ng : NULL;
         }
-        const uint8_t *next = R == 4 ? (r + 4 + ROWS_AHEAD <= w->rows ? rows.q[0] + ROWS_AHEAD * stride : NULL)
-                                     : (r + 1 < w->rows && k <= PREFETCH_ROW_MAX ? rows.q[0] + stride : NULL);
+        const uint8_t *next = R == 4 && r + 4 + ROWS_AHEAD <= w->rows ? rows.q[0] + ROWS_AHEAD * stride : NULL;
         pinfer_dot_rows_ahead(R, &rows, l->qx, k, l->y + r, next, stride);
     }
     for (; r < r1; r++) {
@@ -327,7 +326,7 @@ static void head_avx512(const float *q, const float *K, const float *V, int64_t 
     int64_t j = 0;
     for (; j < n; j += 16) {
         const __mmask16 m = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 e = pinfer_exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(top)));
+        const __m512 e = pinfer_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(top)));
         _mm512_mask_storeu_ps(s + j, m, e);
         tv = _mm512_mask_add_ps(tv, m, tv, e);
     }
@@ -369,7 +368,7 @@ static void head_avx2(const float *q, const float *K, const float *V, int64_t n,
     for (; j < n; j += 8) {     /* the last lanes masked: a position's weight is the same bits wherever it is */
         const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)),
                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 e = _mm256_and_ps(pinfer_exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), _mm256_set1_ps(top))),
+        const __m256 e = _mm256_and_ps(pinfer_exp256(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), _mm256_set1_ps(top))),
                                        _mm256_castsi256_ps(m));
         _mm256_maskstore_ps(s + j, m, e);
         tv = _mm256_add_ps(tv, e);
@@ -391,7 +390,8 @@ static void heads(void *p, int64_t h0, int64_t h1) {
     const int64_t hd = a->hd, group = a->n_head / a->n_kv;
     for (int64_t h = h0; h < h1; h++) {
         const float *K = a->k_cache + (h / group) * a->n_ctx * hd, *V = a->v_cache + (h / group) * a->n_ctx * hd;
-        float *s = t->scores + h * a->n_ctx, *o = t->out + h * hd, *q = (float *)t->q + h * hd;
+        const float *q = t->q + h * hd;
+        float *s = t->scores + h * a->n_ctx, *o = t->out + h * hd;
 #ifdef PINFER_X86
         if (t->isa == ISA_AVX512) {
             head_avx512(q, K, V, t->n, hd, a->scale, a->softcap, s, o);

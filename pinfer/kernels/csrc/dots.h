@@ -30,11 +30,10 @@
    smollm2 --formats int4 --fractions 1 (dense FFN 11.5 -> 19.7 GB/s with the four-row reads) and
    benchmarks/row_dots.py (the rows as the head reads them). */
 #define SHORT_ROW 1024
-/* A long row read alone has the next row prefetched meanwhile up to this many weights; longer ones
-   are left to the hardware prefetcher, which a second stream slows (2-core EPYC, AVX-512, a C
-   harness over pinfer_dot_rows_ahead not kept: rows of 1536-8192 read 2-15% faster with the next
-   row prefetched, rows of 11008 20.3 against 25.4 GB/s without). */
-#define PREFETCH_ROW_MAX 8192
+/* A row longer than that, read alone, is one stream the hardware prefetcher follows: no caller
+   prefetches it. Alternating in one process (HeadStep over 192 MB of q4 rows, 2-core EPYC, a script
+   the repository does not keep), prefetching the next row made rows of 1536 and 4096 no faster at 1
+   or 2 threads, AVX-512 or AVX2, and rows of 11008 slower (23.5 against 25.9 GB/s, 1 thread). */
 
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
@@ -67,9 +66,7 @@ static inline __m256 pinfer_load8_ph(const uint16_t *p, int64_t n) {
                             _mm_cmpeq_epi16(_mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7), _mm_set1_epi16((short)(n - 1))));
     return _mm256_cvtph_ps(h);
 }
-#endif
 
-#ifdef PINFER_X86
 /* e^x in 16 (8) lanes to about 1 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial
    (Cephes' expf coefficients), times 2^n. Below -87 it is e^-87 (1.6e-38, which passes for 0 in the
    softmax and SiLU sums it meets); above 88.72 infinity, as expf (a SiLU of a very negative gate is
@@ -80,7 +77,7 @@ static inline __m256 pinfer_load8_ph(const uint16_t *p, int64_t n) {
         mul(r, r), add(r, set1(1.0f)))
 
 __attribute__((target("avx512f,fma"), always_inline))
-static inline __m512 pinfer_exp_avx512(__m512 x) {
+static inline __m512 pinfer_exp512(__m512 x) {
     /* x second: min and max return it where it is NaN, which then goes through (2^n: inf past 88.72) */
     x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(100.0f), x));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -90,7 +87,7 @@ static inline __m512 pinfer_exp_avx512(__m512 x) {
 }
 
 __attribute__((target("avx2,fma"), always_inline))
-static inline __m256 pinfer_exp_avx2(__m256 x0) {
+static inline __m256 pinfer_exp256(__m256 x0) {
     const __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.7228f), x0));  /* NaN stays */
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

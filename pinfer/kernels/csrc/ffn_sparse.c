@@ -149,12 +149,6 @@ static inline void fifth_masks(const uint8_t *qh, int64_t g, int64_t k, __mmask6
     *odd = mo;
 }
 
-__attribute__((target(AVX512_DOTS), always_inline))
-static inline float hsum128(__m128 v) {
-    const __m128 h = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
-
 /* A block of kg groups from g (kg = 16 but at the end of a row: four chunks, 256 weight bytes a
    row) of R rows: the integer sums of each chunk's 16 lanes (four per group) by vpdpbusd, scaled
    by the group's product of the two scales, one conversion of the block's 16 scales per row; the
@@ -496,9 +490,9 @@ static int64_t prefetch_row(const int32_t *idx, int64_t k, int64_t m) {
     return k + 2 < m ? idx[k + 2] : -1;
 }
 
-/* gate and up of neuron j into gu[0..1] (up 0, not read, where a ReLU gate is not positive);
+/* gate and up of neuron j into *gp, *up (up 0, not read, where a ReLU gate is not positive);
    `next`: the neuron whose rows to prefetch meanwhile (prefetch_row), or -1. */
-static void neuron_gu(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, int64_t next, float *gu) {
+static void neuron_gu(const ffn_t *f, int64_t j, const float *x, const qx_t *qx, int64_t next, float *gp, float *up) {
     const int64_t d = f->d;
     float g, u = 0.0f;
     if (f->gu_fmt == FMT_F16) {
@@ -529,8 +523,8 @@ static void neuron_gu(const ffn_t *f, int64_t j, const float *x, const qx_t *qx,
             u = gu[1];
         }
     }
-    gu[0] = g;
-    gu[1] = u;
+    *gp = g;
+    *up = u;
 }
 
 /* gate and up of neurons j and j + 1 (short q4/q5 rows, no ReLU) into g[0..1], u[0..1]: their four rows, consecutive
@@ -913,23 +907,27 @@ static void pred_scores(void *p, int64_t j0, int64_t j1) {
 
 /* h = rule(act(g) * u) of n neurons into h (rule()), the activation in SIMD lanes. */
 #ifdef PINFER_X86
+/* activate() in lanes of W (512 or 256) bits: ReLU, or g / (1 + e^-z), z = g (SiLU) or GELU's tanh
+   form. */
+#define ACTIVATE_LANES(W, act, gv)                                                                            \
+    ((act) == ACT_RELU                                                                                        \
+         ? _mm##W##_max_ps(gv, _mm##W##_setzero_ps())                                                         \
+         : _mm##W##_div_ps(gv, _mm##W##_add_ps(_mm##W##_set1_ps(1.0f), pinfer_exp##W(_mm##W##_sub_ps(         \
+                                   _mm##W##_setzero_ps(),                                                     \
+                                   (act) == ACT_GELU                                                          \
+                                       ? _mm##W##_mul_ps(_mm##W##_set1_ps(1.5957691216057308f),               \
+                                                         _mm##W##_fmadd_ps(_mm##W##_mul_ps(                   \
+                                                                               _mm##W##_set1_ps(0.044715f), gv), \
+                                                                           _mm##W##_mul_ps(gv, gv), gv))      \
+                                       : gv)))))
+
 __attribute__((target("avx512f,fma")))
 static void rules_avx512(int act, const float *g, const float *u, int64_t n, int mode, float thr, float *h) {
     const int cut = mode == MODE_DOWN || mode == MODE_PREDICTED || mode == MODE_GIVEN;
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
-        __m512 a;
-        if (act == ACT_RELU) {
-            a = _mm512_max_ps(gv, _mm512_setzero_ps());
-        } else {    /* g / (1 + e^-z), z = g (SiLU) or GELU's tanh form */
-            const __m512 z = act == ACT_GELU ? _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f),
-                                                             _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), gv),
-                                                                             _mm512_mul_ps(gv, gv), gv))
-                                             : gv;
-            a = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), pinfer_exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z))));
-        }
-        __m512 hv = _mm512_mul_ps(a, uv);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        __m512 hv = _mm512_mul_ps(ACTIVATE_LANES(512, act, gv), _mm512_maskz_loadu_ps(m, u + i));
         /* kept unless |h| < thr, as rule() keeps a NaN */
         if (cut) hv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(hv), _mm512_set1_ps(thr), _CMP_NLT_UQ), hv);
         _mm512_mask_storeu_ps(h + i, m, hv);
@@ -942,22 +940,10 @@ static void rules_avx2(int act, const float *g, const float *u, int64_t n, int m
     for (int64_t i = 0; i < n; i += 8) {     /* the last lanes masked: every h the same bits wherever it is */
         const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i < 8 ? n - i : 8)),
                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 gv = _mm256_maskload_ps(g + i, m), uv = _mm256_maskload_ps(u + i, m);
-        __m256 a;
-        if (act == ACT_RELU) {
-            a = _mm256_max_ps(gv, _mm256_setzero_ps());
-        } else {
-            const __m256 z = act == ACT_GELU ? _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
-                                                             _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), gv),
-                                                                             _mm256_mul_ps(gv, gv), gv))
-                                             : gv;
-            a = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), pinfer_exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), z))));
-        }
-        __m256 hv = _mm256_mul_ps(a, uv);
-        if (cut) {
-            const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), hv);
-            hv = _mm256_and_ps(hv, _mm256_cmp_ps(mag, _mm256_set1_ps(thr), _CMP_NLT_UQ));
-        }
+        const __m256 gv = _mm256_maskload_ps(g + i, m);
+        __m256 hv = _mm256_mul_ps(ACTIVATE_LANES(256, act, gv), _mm256_maskload_ps(u + i, m));
+        if (cut)
+            hv = _mm256_and_ps(hv, _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), hv), _mm256_set1_ps(thr), _CMP_NLT_UQ));
         _mm256_maskstore_ps(h + i, m, hv);
     }
 }
@@ -993,13 +979,18 @@ static void gate_up_one(void *p, int64_t k0, int64_t k1) {
                 neuron_pair(f, a->idx[k], a->n, w->qx, g + (k - b0), u + (k - b0));
                 k++;
             } else {
-                float gu[2];
-                neuron_gu(f, a->idx[k], a->x, w->qx, prefetch_row(a->idx, k, w->m), gu);
-                g[k - b0] = gu[0], u[k - b0] = gu[1];
+                neuron_gu(f, a->idx[k], a->x, w->qx, prefetch_row(a->idx, k, w->m), g + (k - b0), u + (k - b0));
             }
         }
         rules(f->act, g, u, b1 - b0, a->mode, a->thr, a->val + b0);
     }
+}
+
+/* A batch's rules over tokens t0..t1: h in place of their gates. */
+static void batch_rules(void *p, int64_t t0, int64_t t1) {
+    work_t *w = p;
+    const int64_t n = w->a->n;
+    rules(w->f->act, w->H + t0 * n, w->U + t0 * n, (t1 - t0) * n, w->a->mode, w->a->thr, w->H + t0 * n);
 }
 
 /* A batch's gate/up and rule over the union: each neuron's rows for every token that computes it. */
@@ -1012,10 +1003,7 @@ static void gate_up_union(void *p, int64_t k0, int64_t k1) {
         int64_t next = prefetch_row(w->u, k, w->mu);
         for (uint64_t bits = w->who[j]; bits; bits &= bits - 1) {
             const int64_t t = __builtin_ctzll(bits);
-            float gu[2];
-            neuron_gu(w->f, j, a->x + t * d, &w->qx[t], next, gu);
-            w->H[t * n + j] = gu[0];
-            w->U[t * n + j] = gu[1];
+            neuron_gu(w->f, j, a->x + t * d, &w->qx[t], next, w->H + t * n + j, w->U + t * n + j);
             next = -1;
         }
     }
@@ -1037,7 +1025,7 @@ static void row_dots(void *p, int64_t b0, int64_t b1) {
             rows.scale[r] = wd->scale + (i + r) * gn;
             rows.min[r] = wd->min ? wd->min + (i + r) * gn : NULL;
         }
-        const uint8_t *next = i + R < d && n <= PREFETCH_ROW_MAX ? wd->q + (i + R) * (n / 2) : NULL;
+        const uint8_t *next = R == 4 && i + R < d ? wd->q + (i + R) * (n / 2) : NULL;   /* dots.h: SHORT_ROW */
         for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
             const int64_t t = __builtin_ctzll(bits);
             dot_rows(R, &rows, &w->qx[t], n, w->y + t * d + i, next, n / 2);
@@ -1292,7 +1280,7 @@ static int ffn_batch(const ffn_call_t *a, int64_t nt, int threads) {
     pinfer_parallel(pairs * d >= PARALLEL_WORK ? threads : 1, w.mu, gate_up_union, &w);
     /* h in place of the gates (the rest are 0 and stay so), as a single call's rules make them;
        then the survivors of each token, ascending, as a single call compacts them */
-    rules(f.act, H, U, nt * n, a->mode, a->thr, H);
+    pinfer_parallel(threads, nt, batch_rules, &w);
     for (int64_t t = 0; t < nt; t++) {
         int32_t *idx = a->idx + t * n;
         float *val = a->val + t * n;
