@@ -25,7 +25,12 @@ The protocol, for a reader who wants to check it:
   threads, measured in the same run) over the weight bytes pinfer reads per token, and pinfer's
   share of that bound.
 pinfer runs a dense conversion made on the spot (`--sparsity none`, seconds), or `--pinf` for the
-first model.
+first model. A `--pinf` with sparse rules runs them, its predictors' reads and time included, and
+the table gives the FFN rows read in the timed runs. Which rows a step reads depends on its token:
+with `--feed-text` pinfer's steps take the tokens of the wikitext-2 test text (which no
+calibration reads) instead of the argmax (which a random-weight model, as benchmarks/synthetic_decode.py's, spends on a few tokens
+that fire fewer neurons than text does); llama.cpp's dense decode reads the same bytes whatever
+the token.
 """
 
 import argparse
@@ -47,7 +52,6 @@ import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
 from pinfer import kernels
 from pinfer.converter.convert import ConvertOptions, convert
 from pinfer.converter.passes import DENSE
-from pinfer.runtime import accounting
 from pinfer.runtime.model import Model, RuntimeOptions
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
@@ -57,13 +61,29 @@ PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM
 SETTLE_S = 0.3
 
 
-def pinfer_decode(model, n):
+def pinfer_decode(model, n, feed=None):
+    """tok/s of n greedy decode steps after the 5-token prompt; with `feed` (token ids), the prompt
+    is its first 5 and step i takes feed[5 + i] in place of the argmax it still computes."""
     model.reset()
-    t = int(model.forward(PROMPT_IDS)[-1].argmax())
+    t = int(model.forward(feed[:5] if feed else PROMPT_IDS)[-1].argmax())
+    model.counters.reset()      # the rows read are the decode steps' (every run decodes the same tokens)
     t0 = time.perf_counter()
-    for _ in range(n):
-        t = int(model.forward([t])[-1].argmax())
+    for i in range(n):
+        t = int(model.forward([feed[5 + i] if feed else t])[-1].argmax())
     return n / (time.perf_counter() - t0)
+
+
+WIKITEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "wikitext-2-raw-test.txt"
+
+
+def text_ids(model, n):
+    """The first n tokens of the wikitext-2 test text (never calibration text) in the model's own
+    vocabulary."""
+    from pinfer.runtime.tokenizer import Tokenizer
+    ids = Tokenizer.from_spec(model.tokenizer_spec).encode(WIKITEXT.read_text()[:20 * n], add_bos=False)[:n]
+    if len(ids) < n:
+        raise SystemExit(f"{WIKITEXT.name}'s start gives {len(ids)} tokens, fewer than {n}")
+    return [int(i) for i in ids]
 
 
 def read_bandwidth(threads, nbytes=512 << 20, repeats=5):
@@ -91,23 +111,30 @@ def q4_0_of(gguf, py):
 
 
 def measure(pinf, gguf, threads, a):
-    """(pinfer tok/s runs, llama.cpp tok/s runs, MB read per token) of one model at one thread count."""
+    """(pinfer tok/s runs, llama.cpp tok/s runs, MB read per token, FFN rows read (gate/up, down))
+    of one model at one thread count. A file with sparse rules runs them, its predictors' reads and
+    time included; the rows read are the last run's decode steps'."""
     model = Model(pinf, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
     llama = engines.LlamaWorker(a.llama_python, gguf, threads)
     try:
+        feed = text_ids(model, 5 + a.tokens) if a.feed_text else None
         pinfer_decode(model, 16)         # warm-up; llama.cpp's worker warmed itself up
         ours, theirs = [], []
         for r in range(a.repeats):
-            sides = [lambda: ours.append(pinfer_decode(model, a.tokens)),
+            sides = [lambda: ours.append(pinfer_decode(model, a.tokens, feed)),
                      lambda: theirs.append(llama.decode(a.tokens))]
             for side in sides[::-1] if r % 2 else sides:
                 time.sleep(SETTLE_S)
                 side()
-        return ours, theirs, accounting.weight_bytes_per_token(model.reader, model.cfg) / 1e6
+        return ours, theirs, model.weight_bytes_per_token() / 1e6, model.counters.read_fractions()
     finally:
         llama.close()
         model = None
         gc.collect()    # the model's bound steps hold it in cycles: a 7B one must go before the next loads
+
+
+def rows_read(gate_up, down):
+    return "all" if gate_up == down == 1.0 else f"{gate_up:.1%} gate/up, {down:.1%} down"
 
 
 def main(argv=None):
@@ -121,6 +148,9 @@ def main(argv=None):
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--isa", choices=kernels.ISAS, default=None,
                     help="force pinfer's kernels onto this instruction set (the AVX2 path on an AVX-512 CPU)")
+    ap.add_argument("--feed-text", action="store_true",
+                    help="pinfer's steps take wikitext-2 test tokens, not its argmax (a sparse file's rows read "
+                         "depend on the tokens)")
     a = ap.parse_args(argv)
     if a.isa:
         kernels.sparse_isa(a.isa)
@@ -136,8 +166,9 @@ def main(argv=None):
           f"{kernels.sparse_isa()}); llama.cpp via llama-cpp-python {info['version']}: {info['system_info']}")
     print(f"greedy decode of {a.tokens} tokens after a 5-token prompt; median (min-max) of {a.repeats} alternating "
           "runs per row, after a warm-up of each engine\n")
-    print("| model | threads | pinfer tok/s | llama.cpp tok/s | ratio | MB read/token | bound tok/s | pinfer / bound |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| model | threads | pinfer tok/s | llama.cpp tok/s | ratio | FFN rows read | MB read/token | bound tok/s | "
+          "pinfer / bound |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
         for gguf in ggufs:
             pinf = a.pinf if a.pinf and gguf == a.model else Path(tmp) / f"{gguf.stem}.pinf"
@@ -145,11 +176,11 @@ def main(argv=None):
                 with contextlib.redirect_stderr(io.StringIO()):
                     convert(ConvertOptions(gguf, pinf, passes=DENSE))
             for t in threads:
-                ours, theirs, mb = measure(pinf, gguf, t, a)
+                ours, theirs, mb, (gu, down) = measure(pinf, gguf, t, a)
                 o, l = statistics.median(ours), statistics.median(theirs)
                 bound = bandwidth[t] / (mb * 1e6)
                 print(f"| {gguf.name} | {t} | {o:.1f} ({min(ours):.1f}-{max(ours):.1f}) | {l:.1f} "
-                      f"({min(theirs):.1f}-{max(theirs):.1f}) | {o / l:.2f}x | {mb:.1f} | {bound:.0f} | {o / bound:.0%} |",
+                      f"({min(theirs):.1f}-{max(theirs):.1f}) | {o / l:.2f}x | {rows_read(gu, down)} | {mb:.1f} | {bound:.0f} | {o / bound:.0%} |",
                       flush=True)
 
 

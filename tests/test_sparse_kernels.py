@@ -113,9 +113,11 @@ def gap_threshold(values, q):
 
 
 def scores(pred, x):
+    """The predictor's logits as the kernel computes them: its q8 rows against x, then against the
+    hidden z, each rounded to int8 per group of 32 as quantized_x does."""
     w1, w2, b2 = pred
-    z = np.maximum(blocks.dequantize("q8", w1).astype(np.float64) @ x, 0)
-    return blocks.dequantize("q8", w2).astype(np.float64) @ z + b2
+    z = np.maximum(blocks.dequantize("q8", w1).astype(np.float64) @ quantized_x(x), 0)
+    return blocks.dequantize("q8", w2).astype(np.float64) @ quantized_x(z.astype(np.float32)) + b2
 
 
 CASES = [("q4", "q4r"), ("q4", "q4"), ("q4-nomin", "q4r-nomin"), ("q4", "q4-nomin"), ("f16", "f16"),
@@ -149,6 +151,27 @@ def test_sparse_ffn_matches_numpy(isa, gu_fmt, dn_fmt, mode, act, n, d):
     assert counts == (n if cand is None else len(cand), len(keep))
     assert np.array_equal(idx, keep)
     np.testing.assert_allclose(y, want, rtol=0, atol=2e-4 * (np.abs(want).max() + 1e-6))
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_predictor_candidates_at_llama_widths(isa):
+    """The predictor's q8 rows over whole blocks of 16 (8 on AVX2) groups and their tails: x of
+    4192 (8 blocks and 3 groups), a rank of 448 (14 groups, as LLaMA-7B's predictors). Every
+    candidate survives (silu, |h| >= 0), so the survivors are the candidates."""
+    sparse_isa(isa)
+    n, d, r = 256, 4192, 448
+    gf, gparts, G_, U_ = gate_up("q4", n, d)
+    df, dparts, W = down("q4r", n, d)
+    pred = predictor(n, d, r)
+    x = RNG.standard_normal(d).astype(np.float32)
+    s = scores(pred, x)
+    ffn = SparseFFN((gf, gparts), (df, dparts), n, d, predictor=pred)
+    for q in (0.2, 0.5, 0.9):
+        pred_thr = gap_threshold(s, q)
+        y = np.empty(d, np.float32)
+        want = np.flatnonzero(s >= pred_thr)
+        assert ffn(x, y, "predicted", 0.0, pred_thr) == (len(want), len(want))
+        assert np.array_equal(ffn.survivors()[0], want)
 
 
 @pytest.mark.parametrize("isa", AVAILABLE)

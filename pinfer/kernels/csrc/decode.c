@@ -185,6 +185,12 @@ static float dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int6
     return dot_q8_portable(q, scale, x, k);
 }
 
+void pinfer_quantize_natural(const float *x, int64_t d, qx_t *o) { quantize_natural(x, d, o); }
+
+float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa) {
+    return dot_q8(q, scale, x, k, isa);
+}
+
 /* -- a linear layer: y = W x (+ bias) over threads, each a range of rows ----------------------- */
 
 /* Rows this far on are prefetched while a block of four short rows is read. */

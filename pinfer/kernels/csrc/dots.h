@@ -114,6 +114,10 @@ typedef struct {
 void pinfer_dot_rows_ahead(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out, const uint8_t *next,
                            int64_t nstride);
 float pinfer_dot_f16(const uint16_t *w, const float *x, int64_t d);
+/* q8 rows (u8 q + 128, f16 scale per group) against x quantized per group of 32 in element order
+   (decode.c): the head's and attention's q8 rows and the FFN predictor's. */
+void pinfer_quantize_natural(const float *x, int64_t d, qx_t *o);
+float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa);
 float pinfer_dot_f32(const float *w, const float *x, int64_t d);
 
 #endif

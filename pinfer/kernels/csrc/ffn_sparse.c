@@ -238,10 +238,14 @@ static inline float hsum256(__m256 acc) {
 /* block_avx512 on AVX2: kg groups from g (eight but at the end of a row) of R rows, two groups (32
    weight bytes a row) per step by pmaddubsw on q as it is (the pair sums stay under 2 * 31 * 127,
    their sums under 2^15), one group at a row's odd end; the block's eight scales converted once a
-   row. ng: the row's groups (the chunks' widths). */
+   row. ng: the row's groups (the chunks' widths). `next` as block_avx512's: the AVX2 path had
+   prefetched nothing, and with the rows ahead prefetched as on AVX-512, SmolLM2 Q4_0 decodes 8.8%
+   faster on 1 thread and 17% on 2 (alternating in one process, 2-core EPYC, a script the
+   repository does not keep; benchmarks/smollm2_vs_llamacpp.py --isa avx2 shows the result). */
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void block_avx2(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t ng,
-                              int64_t g, const int64_t kg, __m256 *acc, __m256 *cacc) {
+                              int64_t g, const int64_t kg, __m256 *acc, __m256 *cacc, const uint8_t *next,
+                              int64_t nstride) {
     const __m256i l4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m256 xs = pinfer_load8_ps(x->scale + g, kg), xm = MIN ? pinfer_load8_ps(x->sum + g, kg) : _mm256_setzero_ps();
     __m256 xc = pinfer_load8_ps(x->corr + g, kg);
@@ -249,6 +253,8 @@ static inline void block_avx2(const int R, const int MIN, const int QH, const ro
     __m256 ws[4];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
+        if (next)
+            for (int64_t c = 0; c < kg; c += 4) _mm_prefetch((const char *)(next + r * nstride + (g + c) * 16), _MM_HINT_T0);
         const __m256 sw = pinfer_load8_ph(w->scale[r] + g, kg);
         ws[r] = _mm256_mul_ps(sw, xs);
         cacc[r] = _mm256_fmadd_ps(sw, xc, cacc[r]);
@@ -300,16 +306,16 @@ static inline void block_avx2(const int R, const int MIN, const int QH, const ro
     }
 }
 
-/* rows_q4_avx512 on AVX2, eight groups per step. */
+/* rows_q4_avx512 on AVX2, eight groups per step, the rows at `next` prefetched meanwhile. */
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void rows_q4_avx2(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t d,
-                                float *out) {
+                                float *out, const uint8_t *next, int64_t nstride) {
     const int64_t ng = d / G;
     const __m256 z = _mm256_setzero_ps();
     __m256 acc[4] = {z, z, z, z}, cacc[4] = {z, z, z, z};
     int64_t g = 0;
-    for (; g + 8 <= ng; g += 8) block_avx2(R, MIN, QH, w, x, ng, g, 8, acc, cacc);
-    if (g < ng) block_avx2(R, MIN, QH, w, x, ng, g, ng - g, acc, cacc);
+    for (; g + 8 <= ng; g += 8) block_avx2(R, MIN, QH, w, x, ng, g, 8, acc, cacc, next, nstride);
+    if (g < ng) block_avx2(R, MIN, QH, w, x, ng, g, ng - g, acc, cacc, next, nstride);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) out[r] = hsum256(_mm256_add_ps(acc[r], cacc[r]));
 }
@@ -322,13 +328,13 @@ static inline void rows_q4_avx2(const int R, const int MIN, const int QH, const 
         rows_q4_avx512(R, MIN, QH, w, x, d, out, next, ns);                                                 \
     }                                                                                                      \
     __attribute__((target("avx2,fma,f16c"))) static void rows_avx2_##R##MIN##QH(                           \
-        const rows4_t *w, const qx_t *x, int64_t d, float *out) {                                           \
-        rows_q4_avx2(R, MIN, QH, w, x, d, out);                                                             \
+        const rows4_t *w, const qx_t *x, int64_t d, float *out, const uint8_t *next, int64_t ns) {           \
+        rows_q4_avx2(R, MIN, QH, w, x, d, out, next, ns);                                                   \
     }
 #define PINFER_ROWS_R(R) PINFER_ROWS(R, 0, 0) PINFER_ROWS(R, 0, 1) PINFER_ROWS(R, 1, 0) PINFER_ROWS(R, 1, 1)
 PINFER_ROWS_R(1) PINFER_ROWS_R(2) PINFER_ROWS_R(4)
 typedef void (*rows_avx512_fn)(const rows4_t *, const qx_t *, int64_t, float *, const uint8_t *, int64_t);
-typedef void (*rows_avx2_fn)(const rows4_t *, const qx_t *, int64_t, float *);
+typedef void (*rows_avx2_fn)(const rows4_t *, const qx_t *, int64_t, float *, const uint8_t *, int64_t);
 #define PINFER_ROWS_TABLE(isa, R) {rows_##isa##_##R##00, rows_##isa##_##R##01, rows_##isa##_##R##10, rows_##isa##_##R##11}
 static const rows_avx512_fn rows_avx512[3][4] = {PINFER_ROWS_TABLE(avx512, 1), PINFER_ROWS_TABLE(avx512, 2),
                                                  PINFER_ROWS_TABLE(avx512, 4)};
@@ -367,7 +373,7 @@ static void dot_rows(int R, const rows4_t *w, const qx_t *x, int64_t d, float *o
         return;
     }
     if (isa == ISA_AVX2) {
-        rows_avx2[r][kind](w, x, d, out);
+        rows_avx2[r][kind](w, x, d, out, next, nstride);
         return;
     }
 #endif
@@ -436,19 +442,6 @@ static float dot_f32(const float *w, const float *x, int64_t d) {
     for (int k = 0; i < d; i++, k++) acc[k] += w[i] * x[i];     /* any length: head_dim, f32 rows */
     float s = 0.0f;
     for (int k = 0; k < 16; k++) s += acc[k];
-    return s;
-}
-
-/* -- predictor ------------------------------------------------------------------------------- */
-
-PINFER_CLONES
-static float dot_q8(const uint8_t *q, const uint16_t *scale, const float *x, int64_t k) {
-    float s = 0.0f;
-    for (int64_t g = 0; g < k / G; g++) {
-        float a = 0.0f;
-        for (int64_t e = 0; e < G; e++) a += (float)((int)q[g * G + e] - 128) * x[g * G + e];
-        s += HALF(((const half_t *)scale)[g]) * a;
-    }
     return s;
 }
 
@@ -586,6 +579,49 @@ static void axpy_q4(float *p, const uint8_t *const *q, const float (*a)[MAX_D / 
 #endif
     axpy_q4_portable(p, q, a, R, ng);
 }
+
+/* p (ng groups of 32, in order) += sum over rows r < R, in order, of v[r] * scale of q8 row q[r] *
+   (q - 128): R rows per pass load and store p once, where one row at a time had run at a third of
+   the gate/up rows' speed per byte (perf of LLaMA-7B-shaped ReLU layers, 10% of rows). */
+#ifdef PINFER_X86
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+static void axpy_q8_avx512(float *p, const uint8_t *const *q, const uint16_t *const *sc, const float *v, int R,
+                           int64_t ng) {
+    const __m128i flip = _mm_set1_epi8((char)0x80);
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 lo = _mm512_loadu_ps(p + G * g), hi = _mm512_loadu_ps(p + G * g + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 a = _mm512_set1_ps(v[r] * _cvtsh_ss(sc[r][g]));
+            const __m128i b0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(q[r] + G * g)), flip);
+            const __m128i b1 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(q[r] + G * g + 16)), flip);
+            lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b0)), a, lo);
+            hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b1)), a, hi);
+        }
+        _mm512_storeu_ps(p + G * g, lo);
+        _mm512_storeu_ps(p + G * g + 16, hi);
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void axpy_q8_avx2(float *p, const uint8_t *const *q, const uint16_t *const *sc, const float *v, int R,
+                         int64_t ng) {
+    const __m128i flip = _mm_set1_epi8((char)0x80);
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 acc[4];
+        for (int e = 0; e < 4; e++) acc[e] = _mm256_loadu_ps(p + G * g + 8 * e);
+        for (int r = 0; r < R; r++) {
+            const __m256 a = _mm256_set1_ps(v[r] * _cvtsh_ss(sc[r][g]));
+            const __m128i b0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(q[r] + G * g)), flip);
+            const __m128i b1 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(q[r] + G * g + 16)), flip);
+            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), a, acc[0]);
+            acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8))), a, acc[1]);
+            acc[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), a, acc[2]);
+            acc[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8))), a, acc[3]);
+        }
+        for (int e = 0; e < 4; e++) _mm256_storeu_ps(p + G * g + 8 * e, acc[e]);
+    }
+}
+#endif
 
 /* q4 row of weight v: a[g] = v * scale[g], off[g] += v * min[g] (or -8 * a[g] without min). */
 #ifdef PINFER_X86
@@ -730,6 +766,21 @@ static void down_cols_acc(const ffn_t *f, const int32_t *idx, const float *val, 
         return;
     }
     if (f->down_fmt == FMT_Q8) {
+#ifdef PINFER_X86
+        if (isa == ISA_AVX512 || isa == ISA_AVX2) {
+            for (int64_t k = 0; k < m; k += AXPY_ROWS) {
+                const int R = m - k < AXPY_ROWS ? (int)(m - k) : AXPY_ROWS;
+                const uint8_t *q[AXPY_ROWS];
+                const uint16_t *sc[AXPY_ROWS];
+                for (int r = 0; r < R; r++) {
+                    q[r] = (const uint8_t *)f->dn_q + (int64_t)idx[k + r] * d + c0;
+                    sc[r] = f->dn_scale + (int64_t)idx[k + r] * (d / G) + g0;
+                }
+                (isa == ISA_AVX512 ? axpy_q8_avx512 : axpy_q8_avx2)(p, q, sc, val + k, R, ng);
+            }
+            return;
+        }
+#endif
         for (int64_t k = 0; k < m; k++) {
             const int64_t j = idx[k];
             const uint8_t *restrict q = (const uint8_t *)f->dn_q + j * d + c0;
@@ -874,6 +925,7 @@ typedef struct {
     int64_t nt;             /* tokens: 1 for a single call */
     const qx_t *qx;         /* per token: x quantized for the gate/up rows, or h for the row dots */
     float *z, *score;       /* predictor hidden (nt, r) and scores (nt, n) */
+    qx_t *px, *pz;          /* per token: x and z quantized for the predictor's q8 rows */
     int64_t m, s;           /* a single call's candidates and survivors */
     const int32_t *u;       /* a batch's union of candidates (mu of them) and each one's tokens */
     const uint64_t *who;
@@ -885,13 +937,20 @@ typedef struct {
     _Atomic int failed;     /* a range found memory short */
 } work_t;
 
+/* The predictor (docs/design.md section 2): z = relu(W1 x), score = W2 z + b2, its q8 rows against x and
+   then z quantized to int8 per group of 32 in element order, as the head's q8 rows meet theirs
+   (VNNI / AVX2 dots, decode.c). The float dots this replaced read the 7 MB of a LLaMA-7B layer's
+   rank-448 predictor at 3 GB/s on one thread, more time than the candidates' rows themselves
+   (perf over benchmarks/synthetic_decode.py's trained ReLU model). The rounding of x and z moves a
+   score by a few tenths of a percent of its spread: the thresholds, chosen on float scores at
+   conversion, keep their recall but for neurons that close to them. */
 static void pred_hidden(void *p, int64_t k0, int64_t k1) {
     work_t *w = p;
     const ffn_call_t *a = w->a;
     const int64_t d = a->d, r = a->r;
     for (int64_t k = k0; k < k1; k++)
         for (int64_t t = 0; t < w->nt; t++) {
-            const float v = dot_q8(a->w1q + k * d, a->w1s + k * (d / G), a->x + t * d, d);
+            const float v = pinfer_dot_q8(a->w1q + k * d, a->w1s + k * (d / G), &w->px[t], d, isa);
             w->z[t * r + k] = v > 0.0f ? v : 0.0f;
         }
 }
@@ -902,7 +961,33 @@ static void pred_scores(void *p, int64_t j0, int64_t j1) {
     const int64_t n = a->n, r = a->r;
     for (int64_t j = j0; j < j1; j++)
         for (int64_t t = 0; t < w->nt; t++)
-            w->score[t * n + j] = dot_q8(a->w2q + j * r, a->w2s + j * (r / G), w->z + t * r, r) + a->b2[j];
+            w->score[t * n + j] = pinfer_dot_q8(a->w2q + j * r, a->w2s + j * (r / G), &w->pz[t], r, isa) + a->b2[j];
+}
+
+/* Every token's scores into w->score (nt, n); returns -1 when memory is short. */
+static int predict(const ffn_call_t *a, work_t *w, int threads) {
+    const int64_t d = a->d, r = a->r, nt = w->nt;
+    const int64_t xb = (pinfer_qx_bytes(d) + 63) / 64 * 64, zb = (pinfer_qx_bytes(r) + 63) / 64 * 64;
+    uint8_t *mem = malloc((size_t)(nt * (xb + zb)));
+    qx_t *q = malloc((size_t)(2 * nt) * sizeof(qx_t));
+    if (!mem || !q) {
+        free(mem);
+        free(q);
+        return -1;
+    }
+    w->px = q;
+    w->pz = q + nt;
+    for (int64_t t = 0; t < nt; t++) {
+        w->px[t] = pinfer_qx_at(mem + t * xb, d);
+        w->pz[t] = pinfer_qx_at(mem + nt * xb + t * zb, r);
+        pinfer_quantize_natural(a->x + t * d, d, &w->px[t]);
+    }
+    pinfer_parallel(r * d * nt >= PARALLEL_WORK ? threads : 1, r, pred_hidden, w);
+    for (int64_t t = 0; t < nt; t++) pinfer_quantize_natural(w->z + t * r, r, &w->pz[t]);
+    pinfer_parallel(a->n * r * nt >= PARALLEL_WORK ? threads : 1, a->n, pred_scores, w);
+    free(mem);
+    free(q);
+    return 0;
 }
 
 /* h = rule(act(g) * u) of n neurons into h (rule()), the activation in SIMD lanes. */
@@ -1090,8 +1175,10 @@ static int ffn_token(const ffn_call_t *a, int threads) {
     /* candidates (the scores use val as scratch until the survivors overwrite it) */
     int64_t m = 0;
     if (mode == MODE_PREDICTED || mode == MODE_RELU) {
-        pinfer_parallel(threads, r, pred_hidden, &w);
-        pinfer_parallel(threads, n, pred_scores, &w);
+        if (predict(a, &w, threads)) {
+            free(buf);
+            return -1;
+        }
         for (int64_t j = 0; j < n; j++)
             if (w.score[j] >= a->pred_thr) a->idx[m++] = (int32_t)j;
     } else if (mode == MODE_GIVEN) {
@@ -1179,13 +1266,12 @@ static void down_batch(void *p, int64_t th0, int64_t th1) {
 
 /* Each token's candidates in its row of idx and their number in its counts[0] (the predictor's
    rows meet every token while in cache); then the union of them, ascending, in w->u with each
-   neuron's tokens in w->who. */
-static void batch_candidates(const ffn_call_t *a, work_t *w, int threads, int32_t *u, uint64_t *who) {
+   neuron's tokens in w->who. Returns -1 when memory is short. */
+static int batch_candidates(const ffn_call_t *a, work_t *w, int threads, int32_t *u, uint64_t *who) {
     const int64_t n = a->n, nt = w->nt;
     if (a->mode == MODE_PREDICTED || a->mode == MODE_RELU) {
         w->score = w->H;    /* scratch until the gate/up pass */
-        pinfer_parallel(threads, a->r, pred_hidden, w);
-        pinfer_parallel(threads, n, pred_scores, w);
+        if (predict(a, w, threads)) return -1;
         for (int64_t t = 0; t < nt; t++) {
             int64_t m = 0;
             for (int64_t j = 0; j < n; j++)
@@ -1210,6 +1296,7 @@ static void batch_candidates(const ffn_call_t *a, work_t *w, int threads, int32_
     w->mu = mu;
     w->u = u;
     w->who = who;
+    return 0;
 }
 
 /* The down projection of a batch whose h is in w->H and survivors in idx/val: the tokens past
@@ -1273,7 +1360,7 @@ static int ffn_batch(const ffn_call_t *a, int64_t nt, int threads) {
         if (f.gu_fmt == FMT_Q4 || f.gu_fmt == FMT_Q5) quantize_x(a->x + t * d, d, &qx[t]);
     }
     work_t w = {.a = a, .f = &f, .nt = nt, .qx = qx, .z = z, .H = H, .U = U};
-    batch_candidates(a, &w, threads, u, who);
+    if (batch_candidates(a, &w, threads, u, who)) goto done;
 
     int64_t pairs = 0;
     for (int64_t k = 0; k < w.mu; k++) pairs += __builtin_popcountll(who[u[k]]);
