@@ -259,22 +259,28 @@ def llamacpp_rate(py, gguf_path, threads, n):
     return engines.llamacpp(py, "decode", gguf_path, threads, n=n)["tok_s"]
 
 
-def synthetic_model(shape, n_layer, cache):
-    """(GGUF, .pinf) of the synthetic model, written and converted (--sparsity none) on first use."""
+def _cached(gguf_path, write, **convert_options):
+    """(GGUF, .pinf): the GGUF written by write(path) (which returns a note for the log line) and
+    converted with convert_options, each on first use."""
     from pinfer.converter.convert import ConvertOptions, convert
-    from pinfer.converter.passes import DENSE
 
-    cache.mkdir(parents=True, exist_ok=True)
-    gguf_path = cache / f"synthetic-{shape}-{n_layer}L.Q4_0.gguf"
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
     if not gguf_path.exists():
         t = time.perf_counter()
-        write_gguf(gguf_path, shape, n_layer)
-        print(f"wrote {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
+        note = write(gguf_path)
+        print(f"wrote {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s{note}",
               file=sys.stderr)
     pinf = gguf_path.with_suffix(".pinf")
     if not pinf.exists():
-        convert(ConvertOptions(gguf_path, pinf, passes=DENSE))
+        convert(ConvertOptions(gguf_path, pinf, **convert_options))
     return gguf_path, pinf
+
+
+def synthetic_model(shape, n_layer, cache):
+    """(GGUF, .pinf) of the synthetic model, written and converted (--sparsity none) on first use."""
+    from pinfer.converter.passes import DENSE
+    return _cached(cache / f"synthetic-{shape}-{n_layer}L.Q4_0.gguf",
+                   lambda p: write_gguf(p, shape, n_layer) or "", passes=DENSE)
 
 
 RELU_CALIB = dict(sparsity="relu:0.99", calib_tokens=8192, heldout_tokens=2048)
@@ -284,21 +290,14 @@ def relu_model(shape, n_layer, cache, active=0.10):
     """(GGUF, .pinf) of the trained-predictor ReLU model (write_relu_gguf), written and converted
     on first use: calibration on pinfer's built-in text, predictors trained per layer, relu at 0.99
     held-out mass recall (RELU_CALIB; the file is not reloaded to verify: at 32 layers that would
-    take as long again on a CPU). About 50 minutes at 32 layers on 2 cores."""
-    from pinfer.converter.convert import ConvertOptions, convert
+    take as long again on a CPU; the report beside it still gives the calibration's figures)."""
     from pinfer.converter.passes import PassOptions
 
-    cache.mkdir(parents=True, exist_ok=True)
-    gguf_path = cache / f"synthetic-{shape}-{n_layer}L-relu{round(active * 100)}.Q4_0.gguf"
-    if not gguf_path.exists():
-        t = time.perf_counter()
-        fired = write_relu_gguf(gguf_path, shape, n_layer, active)
-        print(f"wrote {gguf_path} in {time.perf_counter() - t:.0f} s; simulated firing per layer "
-              f"{min(fired):.1%}-{max(fired):.1%}", file=sys.stderr)
-    pinf = gguf_path.with_suffix(".pinf")
-    if not pinf.exists():
-        convert(ConvertOptions(gguf_path, pinf, passes=PassOptions(**RELU_CALIB), verify=False))
-    return gguf_path, pinf
+    def write(path):
+        fired = write_relu_gguf(path, shape, n_layer, active)
+        return f"; simulated firing per layer {min(fired):.1%}-{max(fired):.1%}"
+    return _cached(cache / f"synthetic-{shape}-{n_layer}L-relu{round(active * 100)}.Q4_0.gguf", write,
+                   passes=PassOptions(**RELU_CALIB), verify=False)
 
 
 def main(argv=None):

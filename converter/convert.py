@@ -124,8 +124,7 @@ def convert(opts):
     worst = max(em.errors.values(), default=0.0)
     _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t_write:.1f} s; "
          f"{len(em.errors)} tensors re-quantized, worst relative error {worst:.2e}")
-    if opts.verify:
-        _verify_and_report(out, cfg, layout, header, opts, t0)
+    _verify_and_report(out, cfg, layout, header, opts, t0)
     _log(f"done in {time.perf_counter() - t0:.1f} s")
     return out
 
@@ -238,12 +237,16 @@ def _header(fe, layout, em, graph_names, directory, opts, hot_rows):
 
 
 def _verify_and_report(out, cfg, layout, header, opts, t0):
-    from .backend.verify import verify_output
-    try:
-        checks = verify_output(out, layout)
-    except Exception as e:
-        out.unlink()        # a file that fails its own checks is not left behind
-        raise ConvertError(f"{out.name} was written but failed verification and was removed: {e}") from e
+    """The output's checks (unless opts.verify is off), then the report, which says "verification":
+    null when they were skipped: calibration's figures stand without them."""
+    checks = None
+    if opts.verify:
+        from .backend.verify import verify_output
+        try:
+            checks = verify_output(out, layout)
+        except Exception as e:
+            out.unlink()        # a file that fails its own checks is not left behind
+            raise ConvertError(f"{out.name} was written but failed verification and was removed: {e}") from e
     if opts.report and layout.calibration is not None:
         from .backend.report import write_report
         write_report(out, cfg, layout, header, checks, time.perf_counter() - t0)

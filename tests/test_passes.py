@@ -39,11 +39,18 @@ def relu_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("relu")
     src = make_tiny_llama_gguf(d / "relu.gguf", qtype="F32", n_layer=2, d_model=64, n_ff=256, extra_kv=RELU, seed=3)
     out = {}
-    for order in ("hot-first", "source"):
-        out[order] = convert(ConvertOptions(src, d / f"{order}.pinf", report=False,
+    for order in ("hot-first", "source"):     # the source-order file unverified, its report written
+        out[order] = convert(ConvertOptions(src, d / f"{order}.pinf", report=order == "source", verify=order != "source",
                                             passes=PassOptions(sparsity="relu:0.99", order=order, **QUICK)))
     out["auto"] = convert(ConvertOptions(src, d / "auto.pinf", passes=PassOptions(**QUICK)))
     return out
+
+
+def test_an_unverified_conversion_still_reports_its_calibration(relu_files):
+    body = json.loads(Path(str(relu_files["source"]) + ".report.json").read_text())
+    assert body["verification"] is None
+    assert [lay["predictor"]["rank"] for lay in body["layers"]] == \
+        [lay["predictor"]["rank"] for lay in PinfReader(relu_files["source"]).header["layers"]]
 
 
 def test_relu_with_a_perfect_mask_equals_dense(relu_files):
