@@ -116,7 +116,9 @@ static float dot_q8_portable(const uint8_t *q, const uint16_t *scale, const qx_t
    128 * sum_x)). */
 __attribute__((target(Q8_AVX512), always_inline))
 static inline void block_q8_avx512(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t g, const int64_t kg,
-                                   __m512 *acc, __m512 *macc) {
+                                   __m512 *acc, __m512 *macc, const uint8_t *next) {
+    if (next)
+        for (int64_t c = 0; c < kg; c += 2) _mm_prefetch((const char *)(next + (g + c) * G), _MM_HINT_T0);
     const __mmask16 mg = kg == 16 ? 0xffff : (__mmask16)((1u << kg) - 1);
     const __m512 sw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mg, scale + g));
     const __m512 ws = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mg, x->scale + g));
@@ -133,12 +135,12 @@ static inline void block_q8_avx512(const uint8_t *q, const uint16_t *scale, cons
 }
 
 __attribute__((target(Q8_AVX512)))
-static float dot_q8_avx512(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k) {
+static float dot_q8_avx512(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, const uint8_t *next) {
     const int64_t ng = k / G;
     __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
     int64_t g = 0;
-    for (; g + 16 <= ng; g += 16) block_q8_avx512(q, scale, x, g, 16, &acc, &macc);
-    if (g < ng) block_q8_avx512(q, scale, x, g, ng - g, &acc, &macc);
+    for (; g + 16 <= ng; g += 16) block_q8_avx512(q, scale, x, g, 16, &acc, &macc, next);
+    if (g < ng) block_q8_avx512(q, scale, x, g, ng - g, &acc, &macc, next);
     return _mm512_reduce_add_ps(_mm512_fnmadd_ps(macc, _mm512_set1_ps(128.0f), acc));
 }
 
@@ -147,7 +149,9 @@ static float dot_q8_avx512(const uint8_t *q, const uint16_t *scale, const qx_t *
    scales converted once and multiplied by x's. */
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void block_q8_avx2(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t g, const int64_t kg,
-                                 __m256 *acc) {
+                                 __m256 *acc, const uint8_t *next) {
+    if (next)
+        for (int64_t c = 0; c < kg; c += 2) _mm_prefetch((const char *)(next + (g + c) * G), _MM_HINT_T0);
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const __m256 ws = _mm256_mul_ps(pinfer_load8_ph(scale + g, kg), pinfer_load8_ps(x->scale + g, kg));
 #pragma GCC unroll 8
@@ -161,34 +165,35 @@ static inline void block_q8_avx2(const uint8_t *q, const uint16_t *scale, const 
 }
 
 __attribute__((target("avx2,fma,f16c")))
-static float dot_q8_avx2(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k) {
+static float dot_q8_avx2(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, const uint8_t *next) {
     const int64_t ng = k / G;
     __m256 acc = _mm256_setzero_ps();
     int64_t g = 0;
-    for (; g + 8 <= ng; g += 8) block_q8_avx2(q, scale, x, g, 8, &acc);
-    if (g < ng) block_q8_avx2(q, scale, x, g, ng - g, &acc);
+    for (; g + 8 <= ng; g += 8) block_q8_avx2(q, scale, x, g, 8, &acc, next);
+    if (g < ng) block_q8_avx2(q, scale, x, g, ng - g, &acc, next);
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 }
 #endif
 
-/* One q8 row's dot with x quantized in element order. Rows are read one at a time, without
-   prefetch: SmolLM2's head (49152 x 576) read 25-27 GB/s so on one thread of a 2-core EPYC, 15-20
-   four rows at a time with or without the rows ahead prefetched (a throwaway timing of HeadStep). */
-static float dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa) {
+/* One q8 row's dot with x quantized in element order; `next`: the row to prefetch meanwhile
+   (dots.h: AHEAD_BYTES), or NULL. Rows are read one at a time: over SmolLM2's head shape (49152 x
+   576), AVX2, one thread of a 2-core EPYC, alternating in one process (a throwaway timing of
+   HeadStep), one at a time read 22 GB/s, four at a time sharing the loads of x 10 GB/s. */
+static float dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa, const uint8_t *next) {
 #ifdef PINFER_X86
-    if (isa == ISA_AVX512) return dot_q8_avx512(q, scale, x, k);
-    if (isa == ISA_AVX2) return dot_q8_avx2(q, scale, x, k);
+    if (isa == ISA_AVX512) return dot_q8_avx512(q, scale, x, k, next);
+    if (isa == ISA_AVX2) return dot_q8_avx2(q, scale, x, k, next);
 #endif
-    (void)isa;
+    (void)isa, (void)next;
     return dot_q8_portable(q, scale, x, k);
 }
 
 void pinfer_quantize_natural(const float *x, int64_t d, qx_t *o) { quantize_natural(x, d, o); }
 
-float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa) {
-    return dot_q8(q, scale, x, k, isa);
+float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa, const uint8_t *next) {
+    return dot_q8(q, scale, x, k, isa, next);
 }
 
 /* -- a linear layer: y = W x (+ bias) over threads, each a range of rows ----------------------- */
@@ -212,8 +217,9 @@ static void lin_rows(void *p, int64_t r0, int64_t r1) {
     const int64_t stride = k / 2;    /* q bytes a row */
     int64_t r = r0;
     /* short rows four at a time: they share the loads of x */
+    const int four = rows_by_four(k);
     for (int R = 1; blocks && r < r1; r += R) {
-        R = r1 - r >= 4 && k <= SHORT_ROW ? 4 : 1;
+        R = r1 - r >= 4 && four ? 4 : 1;
         rows4_t rows;
         for (int i = 0; i < R; i++) {
             rows.q[i] = (const uint8_t *)w->q + (r + i) * stride;
@@ -221,15 +227,19 @@ static void lin_rows(void *p, int64_t r0, int64_t r1) {
             rows.scale[i] = w->scale + (r + i) * ng;
             rows.min[i] = w->min ? w->min + (r + i) * ng : NULL;
         }
-        const uint8_t *next = R == 4 && r + 4 + ROWS_AHEAD <= w->rows ? rows.q[0] + ROWS_AHEAD * stride : NULL;
+        const int64_t ahead = R == 4 ? ROWS_AHEAD : rows_ahead(stride);
+        const uint8_t *next = ahead && r + R + ahead <= w->rows ? rows.q[0] + ahead * stride : NULL;
         pinfer_dot_rows_ahead(R, &rows, l->qx, k, l->y + r, next, stride);
     }
+    const int64_t ahead8 = rows_ahead(k);
     for (; r < r1; r++) {
         float v;
         switch (w->fmt) {
-        case FMT_Q8:
-            v = dot_q8((const uint8_t *)w->q + r * k, w->scale + r * ng, l->qx, k, l->isa);
+        case FMT_Q8: {
+            const uint8_t *q = (const uint8_t *)w->q + r * k;
+            v = dot_q8(q, w->scale + r * ng, l->qx, k, l->isa, r + ahead8 < w->rows ? q + ahead8 * k : NULL);
             break;
+        }
         case FMT_F16:
             v = pinfer_dot_f16((const uint16_t *)w->q + r * k, l->x, k);
             break;

@@ -22,18 +22,35 @@
 /* Loops under this many weights run on one thread: waking a second costs more than it saves. */
 #define PARALLEL_WORK (1 << 18)
 
-/* Rows of at most this many weights are read several at a time (pinfer_dot_rows_ahead with R = 2 or 4),
-   each load of x serving them all; longer ones one at a time. On a 2-core EPYC (AVX-512), with a C
+/* Rows of at most this many weights are read several at a time (pinfer_dot_rows_ahead with R = 2 or 4;
+   for a matrix's rows, rows_by_four below), each load of x serving them all; longer ones one at a time. On a 2-core EPYC (AVX-512), with a C
    harness over pinfer_dot_rows_ahead that the repository does not keep: rows of 576 read 12 GB/s one
    at a time and 22-24 four at a time; rows of 1536 and 4096 from 4 KB pages read faster one at a
    time (interleaved streams). What the repository shows: benchmarks/sparse_kernel.py --shapes
    smollm2 --formats int4 --fractions 1 (dense FFN 11.5 -> 19.7 GB/s with the four-row reads) and
    benchmarks/row_dots.py (the rows as the head reads them). */
 #define SHORT_ROW 1024
-/* A row longer than that, read alone, is one stream the hardware prefetcher follows: no caller
-   prefetches it. Alternating in one process (HeadStep over 192 MB of q4 rows, 2-core EPYC, a script
-   the repository does not keep), prefetching the next row made rows of 1536 and 4096 no faster at 1
-   or 2 threads, AVX-512 or AVX2, and rows of 11008 slower (23.5 against 25.9 GB/s, 1 thread). */
+/* Whether the rows of a matrix of k columns (q4: k/2 bytes a row) are read four at a time. A row of
+   whole cache lines is not: alternating four at a time and one at a time (the latter with the rows
+   AHEAD_BYTES on prefetched) in one process, HeadStep over 64 MB of q4 rows, 1 thread, a script the
+   repository does not keep, GB/s AVX2 / AVX-512 - four at a time: 576 15.4 / 18.2, 704 16.2 / 21.2,
+   832 17.2 / 18.1, 768 13.5 / 20.8, 896 15.3 / 19.1, 1024 10.3 / 15.4; one at a time: 576 13.4 / 15.1,
+   704 14.2 / 17.8, 832 16.1 / 16.9, 768 17.7 / 18.3, 896 16.2 / 21.1, 1024 19.5 / 22.5. On 2 threads
+   with AVX2, 1024: 22.8 against 38.1. (The FFN's gate/up pairs keep SHORT_ROW: not measured.) */
+static inline int rows_by_four(int64_t k) { return k <= SHORT_ROW && k % 128 != 0; }
+/* A row read alone (not rows_by_four, or q8) prefetches the row about AHEAD_BYTES on, each
+   block of it as the same block of this row is read. The hardware prefetcher alone left these reads
+   waiting on memory: perf put a third of the AVX2 row dots' samples on the instructions after the
+   weight loads, and the AVX2 loop, with twice AVX-512's instructions per cache line, keeps fewer
+   lines in flight. Alternating in one process (a script the repository does not keep, 2-core EPYC,
+   medians of 7-9 runs), with this against none: SmolLM2 Q4_0 decode +7.4% on 1 thread with AVX2
+   (156.5 -> 168.1 tok/s), +7% on 2, +6.4% on 1 with AVX-512; the LLaMA-7B-shaped Q4_0 model dense
+   +14% with AVX2 on 1 thread (5.1 -> 5.8); its trained-predictor ReLU model +16% (AVX2, 1 thread)
+   and +11% (AVX2, 2 threads) with the attention's rows alone prefetched, and with the predictor's
+   q8 rows too, AVX-512 +2.5% (1) and +1.5% (2). From 2 to 6 KB ahead the gains were
+   the same. (Prefetching just the next row, as an earlier version tried, was too close.) */
+#define AHEAD_BYTES 3072
+static inline int64_t rows_ahead(int64_t row_bytes) { return (AHEAD_BYTES + row_bytes / 2) / row_bytes; }
 
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
@@ -117,7 +134,7 @@ float pinfer_dot_f16(const uint16_t *w, const float *x, int64_t d);
 /* q8 rows (u8 q + 128, f16 scale per group) against x quantized per group of 32 in element order
    (decode.c): the head's and attention's q8 rows and the FFN predictor's. */
 void pinfer_quantize_natural(const float *x, int64_t d, qx_t *o);
-float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa);
+float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa, const uint8_t *next);
 float pinfer_dot_f32(const float *w, const float *x, int64_t d);
 
 #endif

@@ -958,9 +958,11 @@ static void pred_hidden(void *p, int64_t k0, int64_t k1) {
     work_t *w = p;
     const ffn_call_t *a = w->a;
     const int64_t d = a->d, r = a->r;
+    const int64_t ahead = rows_ahead(d);
     for (int64_t k = k0; k < k1; k++)
         for (int64_t t = 0; t < w->nt; t++) {
-            const float v = pinfer_dot_q8(a->w1q + k * d, a->w1s + k * (d / G), &w->px[t], d, isa);
+            const uint8_t *next = t == 0 && k + ahead < r ? a->w1q + (k + ahead) * d : NULL;
+            const float v = pinfer_dot_q8(a->w1q + k * d, a->w1s + k * (d / G), &w->px[t], d, isa, next);
             w->z[t * r + k] = v > 0.0f ? v : 0.0f;
         }
 }
@@ -969,9 +971,12 @@ static void pred_scores(void *p, int64_t j0, int64_t j1) {
     work_t *w = p;
     const ffn_call_t *a = w->a;
     const int64_t n = a->n, r = a->r;
+    const int64_t ahead = rows_ahead(r);
     for (int64_t j = j0; j < j1; j++)
-        for (int64_t t = 0; t < w->nt; t++)
-            w->score[t * n + j] = pinfer_dot_q8(a->w2q + j * r, a->w2s + j * (r / G), &w->pz[t], r, isa) + a->b2[j];
+        for (int64_t t = 0; t < w->nt; t++) {
+            const uint8_t *next = t == 0 && j + ahead < n ? a->w2q + (j + ahead) * r : NULL;
+            w->score[t * n + j] = pinfer_dot_q8(a->w2q + j * r, a->w2s + j * (r / G), &w->pz[t], r, isa, next) + a->b2[j];
+        }
 }
 
 /* Every token's scores into w->score (nt, n); returns -1 when memory is short. */
@@ -1105,13 +1110,13 @@ static void gate_up_union(void *p, int64_t k0, int64_t k1) {
 }
 
 /* y[i] of each token = row i of W_down . its quantized h; the index counts blocks of four rows,
-   read together where they are short (SHORT_ROW: they share the loads of h), one at a time
+   read together where they are short (rows_by_four: they share the loads of h), one at a time
    otherwise (d is a multiple of 32). */
 static void row_dots(void *p, int64_t b0, int64_t b1) {
     work_t *w = p;
     const rows_t *wd = &w->a->wd;
     const int64_t n = w->a->n, d = w->a->d, gn = n / G;
-    const int R = n <= SHORT_ROW ? 4 : 1;
+    const int R = rows_by_four(n) ? 4 : 1;
     for (int64_t i = 4 * b0; i < 4 * b1; i += R) {
         rows4_t rows;
         for (int r = 0; r < R; r++) {
@@ -1120,7 +1125,8 @@ static void row_dots(void *p, int64_t b0, int64_t b1) {
             rows.scale[r] = wd->scale + (i + r) * gn;
             rows.min[r] = wd->min ? wd->min + (i + r) * gn : NULL;
         }
-        const uint8_t *next = R == 4 && i + R < d ? wd->q + (i + R) * (n / 2) : NULL;   /* dots.h: SHORT_ROW */
+        const int64_t ahead = R == 4 ? R : rows_ahead(n / 2);   /* dots.h: rows_by_four, AHEAD_BYTES */
+        const uint8_t *next = i + R + ahead <= d ? wd->q + (i + ahead) * (n / 2) : NULL;
         for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
             const int64_t t = __builtin_ctzll(bits);
             dot_rows(R, &rows, &w->qx[t], n, w->y + t * d + i, next, n / 2);
