@@ -28,9 +28,9 @@ pinfer runs a dense conversion made on the spot (`--sparsity none`, seconds), or
 first model. A `--pinf` with sparse rules runs them, its predictors' reads and time included, and
 the table gives the FFN rows read in the timed runs. Which rows a step reads depends on its token:
 with `--feed-text` pinfer's steps take the tokens of the wikitext-2 test text (which no
-calibration reads) instead of the argmax (which a random-weight model, as benchmarks/synthetic_decode.py's, spends on a few tokens
-that fire fewer neurons than text does); llama.cpp's dense decode reads the same bytes whatever
-the token.
+calibration reads) instead of the argmax (which a random-weight model, as
+benchmarks/synthetic_decode.py's, spends on a few tokens that fire fewer neurons than text does);
+llama.cpp's dense decode reads the same bytes whatever the token.
 """
 
 import argparse

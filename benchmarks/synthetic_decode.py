@@ -260,14 +260,14 @@ def llamacpp_rate(py, gguf_path, threads, n):
 
 
 def _cached(gguf_path, write, **convert_options):
-    """(GGUF, .pinf): the GGUF written by write(path) (which returns a note for the log line) and
+    """(GGUF, .pinf): the GGUF written by write(path) (which may return a note for the log line) and
     converted with convert_options, each on first use."""
     from pinfer.converter.convert import ConvertOptions, convert
 
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
     if not gguf_path.exists():
         t = time.perf_counter()
-        note = write(gguf_path)
+        note = write(gguf_path) or ""
         print(f"wrote {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s{note}",
               file=sys.stderr)
     pinf = gguf_path.with_suffix(".pinf")
@@ -280,7 +280,7 @@ def synthetic_model(shape, n_layer, cache):
     """(GGUF, .pinf) of the synthetic model, written and converted (--sparsity none) on first use."""
     from pinfer.converter.passes import DENSE
     return _cached(cache / f"synthetic-{shape}-{n_layer}L.Q4_0.gguf",
-                   lambda p: write_gguf(p, shape, n_layer) or "", passes=DENSE)
+                   lambda p: write_gguf(p, shape, n_layer), passes=DENSE)
 
 
 RELU_CALIB = dict(sparsity="relu:0.99", calib_tokens=8192, heldout_tokens=2048)

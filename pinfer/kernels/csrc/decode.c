@@ -198,9 +198,6 @@ float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int6
 
 /* -- a linear layer: y = W x (+ bias) over threads, each a range of rows ----------------------- */
 
-/* Rows this far on are prefetched while a block of four short rows is read. */
-#define ROWS_AHEAD 32
-
 typedef struct {
     const linear_t *w;
     const qx_t *qx;
@@ -216,8 +213,9 @@ static void lin_rows(void *p, int64_t r0, int64_t r1) {
     const int blocks = w->fmt == FMT_Q4 || w->fmt == FMT_Q5;
     const int64_t stride = k / 2;    /* q bytes a row */
     int64_t r = r0;
-    /* short rows four at a time: they share the loads of x */
+    /* short rows four at a time: they share the loads of x; the rows ahead prefetched (dots.h) */
     const int four = rows_by_four(k);
+    const int64_t ahead = rows_ahead(stride);
     for (int R = 1; blocks && r < r1; r += R) {
         R = r1 - r >= 4 && four ? 4 : 1;
         rows4_t rows;
@@ -227,7 +225,6 @@ static void lin_rows(void *p, int64_t r0, int64_t r1) {
             rows.scale[i] = w->scale + (r + i) * ng;
             rows.min[i] = w->min ? w->min + (r + i) * ng : NULL;
         }
-        const int64_t ahead = R == 4 ? ROWS_AHEAD : rows_ahead(stride);
         const uint8_t *next = ahead && r + R + ahead <= w->rows ? rows.q[0] + ahead * stride : NULL;
         pinfer_dot_rows_ahead(R, &rows, l->qx, k, l->y + r, next, stride);
     }

@@ -1117,6 +1117,7 @@ static void row_dots(void *p, int64_t b0, int64_t b1) {
     const rows_t *wd = &w->a->wd;
     const int64_t n = w->a->n, d = w->a->d, gn = n / G;
     const int R = rows_by_four(n) ? 4 : 1;
+    const int64_t ahead = rows_ahead(n / 2);     /* dots.h */
     for (int64_t i = 4 * b0; i < 4 * b1; i += R) {
         rows4_t rows;
         for (int r = 0; r < R; r++) {
@@ -1125,8 +1126,7 @@ static void row_dots(void *p, int64_t b0, int64_t b1) {
             rows.scale[r] = wd->scale + (i + r) * gn;
             rows.min[r] = wd->min ? wd->min + (i + r) * gn : NULL;
         }
-        const int64_t ahead = R == 4 ? R : rows_ahead(n / 2);   /* dots.h: rows_by_four, AHEAD_BYTES */
-        const uint8_t *next = i + R + ahead <= d ? wd->q + (i + ahead) * (n / 2) : NULL;
+        const uint8_t *next = ahead && i + R + ahead <= d ? wd->q + (i + ahead) * (n / 2) : NULL;
         for (uint64_t bits = w->tokens; bits; bits &= bits - 1) {
             const int64_t t = __builtin_ctzll(bits);
             dot_rows(R, &rows, &w->qx[t], n, w->y + t * d + i, next, n / 2);
