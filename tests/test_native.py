@@ -20,7 +20,7 @@ from pinfer.converter.passes import DENSE
 from pinfer.formats import blocks
 from pinfer.formats import schema as S
 from pinfer.kernels import ISAS, sparse_isa
-from pinfer.kernels.decode import HeadStep
+from pinfer.kernels.decode import AttentionStep, HeadStep
 from pinfer.runtime import autotune, native
 from pinfer.runtime.model import Model, RuntimeOptions
 
@@ -149,6 +149,64 @@ def test_head_row_dots_against_numpy(fmt, isa):
         c = centre(parts, {"q4": 8, "q5": 16}[base]) if "min" in parts else 0.0
         want = (w - c) @ quantized_x(x) + (c @ x.astype(np.float64) if "min" in parts else 0.0)
     assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def _rms(v, g, eps=1e-5):
+    return v / np.sqrt((v * v).mean() + eps) * g
+
+
+def _rotate_half(v, c, s):
+    h = len(c)
+    return np.concatenate([v[:h] * c - v[h:] * s, v[h:] * c + v[:h] * s])
+
+
+@pytest.mark.parametrize("hd", [32, 40, 64, 96, 128])
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_attention_step_against_numpy(hd, softcap, isa):
+    """One layer's attention call (float weights, so that x is not quantized) against NumPy in
+    float64, at head widths the scores' fixed-width loops take (32, 64, 96, 128) and ones they leave
+    to the variable-width loops (40), with and without a softcap, over 1 to 37 positions (the scores
+    go four positions at a time: every remainder). Float32 sums in another order than NumPy's: 1e-5
+    of the largest value."""
+    sparse_isa(isa)
+    rng = np.random.default_rng(hd)
+    n_head, n_kv, n_ctx = 4, 2, 48
+    d = n_head * hd
+    n_qkv = (n_head + 2 * n_kv) * hd
+    w_qkv, w_out = ((rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32) for shape in ((n_qkv, d), (d, d)))
+    g1, g2 = ((1 + 0.1 * rng.standard_normal(d)).astype(np.float32) for _ in range(2))
+    step = AttentionStep(("f32", {"w": w_qkv}), ("f32", {"w": w_out}), g1, g2, n_head=n_head, n_kv=n_kv, head_dim=hd,
+                         rot=hd, interleaved=False, eps=1e-5, softcap=softcap)
+    k_cache, v_cache = (rng.standard_normal((1, n_kv, n_ctx, hd)).astype(np.float32) for _ in range(2))
+    angle = np.arange(n_ctx)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    resid, delta, resid_out, x_out = (np.zeros(d, np.float32) for _ in range(4))
+    total = np.zeros(1, np.int32)
+    run = step.bind(resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total)
+    for n in (1, 2, 3, 4, 5, 8, 37):
+        resid[...], delta[...] = rng.standard_normal(d), rng.standard_normal(d)
+        total[0] = n
+        K, V = k_cache.astype(np.float64), v_cache.astype(np.float64)
+        r1 = resid.astype(np.float64) + delta
+        qkv = w_qkv.astype(np.float64) @ _rms(r1, g1)
+        q, k, v = (qkv[:n_head * hd].reshape(n_head, hd), qkv[n_head * hd:(n_head + n_kv) * hd].reshape(n_kv, hd),
+                   qkv[(n_head + n_kv) * hd:].reshape(n_kv, hd))
+        q = np.stack([_rotate_half(h, cos[n - 1], sin[n - 1]) for h in q])
+        K[0, :, n - 1] = np.stack([_rotate_half(h, cos[n - 1], sin[n - 1]) for h in k])
+        V[0, :, n - 1] = v
+        att = []
+        for h in range(n_head):
+            scores = K[0, h // (n_head // n_kv), :n] @ q[h] * hd ** -0.5
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
+            p = np.exp(scores - scores.max())
+            att.append(p @ V[0, h // (n_head // n_kv), :n] / p.sum())
+        r2 = r1 + w_out.astype(np.float64) @ np.concatenate(att)
+        run()
+        np.testing.assert_allclose(k_cache[0, :, n - 1], K[0, :, n - 1], rtol=0, atol=1e-5 * np.abs(K).max())
+        for got, want in ((resid_out, r2), (x_out, _rms(r2, g2))):
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (n, np.abs(got - want).max())
 
 
 def test_prompts_through_the_kernels_batch_call_with_native_attention(gguf_file, monkeypatch):

@@ -241,11 +241,16 @@ static inline float hsum256(__m256 acc) {
    row. ng: the row's groups (the chunks' widths). `next` as block_avx512's: the AVX2 path had
    prefetched nothing, and with the rows ahead prefetched as on AVX-512, SmolLM2 Q4_0 decodes 8.8%
    faster on 1 thread and 17% on 2 (alternating in one process, 2-core EPYC, a script the
-   repository does not keep; benchmarks/smollm2_vs_llamacpp.py --isa avx2 shows the result). */
+   repository does not keep; benchmarks/smollm2_vs_llamacpp.py --isa avx2 shows the result).
+   With AVX2's 16 vector registers the zero-point and min terms go into acc itself (AVX-512 keeps
+   them apart in cacc): four rows' separate cacc had spilled to the stack, and a whole block (kg 8,
+   g a multiple of 8: two whole chunks of x) takes x's offsets as constants, not from ng. The two
+   together: SmolLM2 Q4_0 decode 173.2 -> 178.1 tok/s (the acc alone, median of 9 alternating
+   runs) and 177.1 -> 180.1 (the offsets, 11 runs), AVX2 on 1 thread of the 2-core EPYC, a throwaway
+   script alternating builds' variants in one process; on 2 threads +1.3% for the acc. */
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void block_avx2(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t ng,
-                              int64_t g, const int64_t kg, __m256 *acc, __m256 *cacc, const uint8_t *next,
-                              int64_t nstride) {
+                              int64_t g, const int64_t kg, __m256 *acc, const uint8_t *next, int64_t nstride) {
     const __m256i l4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m256 xs = pinfer_load8_ps(x->scale + g, kg), xm = MIN ? pinfer_load8_ps(x->sum + g, kg) : _mm256_setzero_ps();
     __m256 xc = pinfer_load8_ps(x->corr + g, kg);
@@ -257,15 +262,16 @@ static inline void block_avx2(const int R, const int MIN, const int QH, const ro
             for (int64_t c = 0; c < kg; c += 4) _mm_prefetch((const char *)(next + r * nstride + (g + c) * 16), _MM_HINT_T0);
         const __m256 sw = pinfer_load8_ph(w->scale[r] + g, kg);
         ws[r] = _mm256_mul_ps(sw, xs);
-        cacc[r] = _mm256_fmadd_ps(sw, xc, cacc[r]);
+        acc[r] = _mm256_fmadd_ps(sw, xc, acc[r]);
         if (MIN)    /* min + zero point * scale, against x itself */
-            cacc[r] = _mm256_fmadd_ps(_mm256_fmadd_ps(sw, _mm256_set1_ps(QH ? 16.0f : 8.0f), pinfer_load8_ph(w->min[r] + g, kg)),
-                                      xm, cacc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_fmadd_ps(sw, _mm256_set1_ps(QH ? 16.0f : 8.0f), pinfer_load8_ph(w->min[r] + g, kg)),
+                                     xm, acc[r]);
     }
     int64_t i = 0;
 #pragma GCC unroll 4
     for (; i + 2 <= kg; i += 2) {
-        const int64_t gc = g + i, c0 = gc / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, at = gc - c0;
+        const int64_t gc = g + i, c0 = kg == 8 ? g + i / 4 * 4 : gc / 4 * 4, k = kg == 8 ? 4 : ng - c0 < 4 ? ng - c0 : 4,
+                      at = gc - c0;
         const __m256i xe = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * at));
         const __m256i xo = _mm256_loadu_si256((const __m256i *)(x->q + c0 * G + 16 * k + 16 * at));
         const __m256i spread = _mm256_setr_epi32((int)i, (int)i, (int)i, (int)i, (int)i + 1, (int)i + 1, (int)i + 1, (int)i + 1);
@@ -312,12 +318,12 @@ static inline void rows_q4_avx2(const int R, const int MIN, const int QH, const 
                                 float *out, const uint8_t *next, int64_t nstride) {
     const int64_t ng = d / G;
     const __m256 z = _mm256_setzero_ps();
-    __m256 acc[4] = {z, z, z, z}, cacc[4] = {z, z, z, z};
+    __m256 acc[4] = {z, z, z, z};
     int64_t g = 0;
-    for (; g + 8 <= ng; g += 8) block_avx2(R, MIN, QH, w, x, ng, g, 8, acc, cacc, next, nstride);
-    if (g < ng) block_avx2(R, MIN, QH, w, x, ng, g, ng - g, acc, cacc, next, nstride);
+    for (; g + 8 <= ng; g += 8) block_avx2(R, MIN, QH, w, x, ng, g, 8, acc, next, nstride);
+    if (g < ng) block_avx2(R, MIN, QH, w, x, ng, g, ng - g, acc, next, nstride);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = hsum256(_mm256_add_ps(acc[r], cacc[r]));
+    for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]);
 }
 
 /* The row counts the callers use (1, 2, 4), with and without mins and fifth bits: each a function of
