@@ -170,7 +170,7 @@ def batch_table(a, rng):
                     union = np.mean([len(np.unique(np.concatenate(s))) for s in sets]) / n
                     print(f"| {shape} | {threads} | {frac:.0%} | {nt} | {union:.0%} | {t_s * 1e3:.3f} | "
                           f"{t_b * 1e3:.3f} | {t_o * 1e3:.3f} | {t_s / t_b:.2f}x | {t_o / t_b:.2f}x |", flush=True)
-            del ffn, run_ort
+            ffn = run_ort = None    # freed before the next thread count; the closures above still name them
         del gu, dn
     print("\nbatch vs single / vs ORT: how many times faster the batch call is (>1: faster).")
 
