@@ -151,6 +151,25 @@ def test_head_row_dots_against_numpy(fmt, isa):
     assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("k", [576, 1088])
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_row_dots_bits_do_not_depend_on_the_thread_split(k, isa):
+    """A q4 matrix split over 2 threads (1002 rows: ranges of 501, ending inside a block of four) gives the
+    same bits as on 1: rows read four at a time (576 columns) go four at a time at a range's end
+    too, and rows read alone (1088: past SHORT_ROW) always alone; a row read alone sums in another
+    order than one of four (dots.h)."""
+    sparse_isa(isa)
+    rng = np.random.default_rng(k)
+    rows = 1002
+    parts = blocks.quantize("q4", rng.standard_normal((rows, k)).astype(np.float32))
+    norm = np.ones(k, np.float32)
+    resid, delta = rng.standard_normal(k).astype(np.float32), np.zeros(k, np.float32)
+    out = [np.empty(rows, np.float32) for _ in range(2)]
+    for threads, logits in zip((1, 2), out):
+        HeadStep(("q4", parts), norm, rows, eps=1e-5, threads=threads).bind(resid, delta, logits)()
+    np.testing.assert_array_equal(out[0], out[1])
+
+
 def _rms(v, g, eps=1e-5):
     return v / np.sqrt((v * v).mean() + eps) * g
 

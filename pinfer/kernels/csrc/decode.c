@@ -217,16 +217,22 @@ static void lin_rows(void *p, int64_t r0, int64_t r1) {
     const int four = rows_by_four(k);
     const int64_t ahead = rows_ahead(stride);
     for (int R = 1; blocks && r < r1; r += R) {
-        R = r1 - r >= 4 && four ? 4 : 1;
+        /* the last rows of a range read four at a time go four too, the last one repeated: a row
+           read alone sums in another order (dots.h) */
+        R = four ? 4 : 1;
+        const int64_t real = r1 - r < R ? r1 - r : R;
         rows4_t rows;
         for (int i = 0; i < R; i++) {
-            rows.q[i] = (const uint8_t *)w->q + (r + i) * stride;
-            rows.qh[i] = w->qh ? w->qh + (r + i) * (k / 8) : NULL;
-            rows.scale[i] = w->scale + (r + i) * ng;
-            rows.min[i] = w->min ? w->min + (r + i) * ng : NULL;
+            const int64_t ri = r + (i < real ? i : real - 1);
+            rows.q[i] = (const uint8_t *)w->q + ri * stride;
+            rows.qh[i] = w->qh ? w->qh + ri * (k / 8) : NULL;
+            rows.scale[i] = w->scale + ri * ng;
+            rows.min[i] = w->min ? w->min + ri * ng : NULL;
         }
         const uint8_t *next = ahead && r + R + ahead <= w->rows ? rows.q[0] + ahead * stride : NULL;
-        pinfer_dot_rows_ahead(R, &rows, l->qx, k, l->y + r, next, stride);
+        float out[4];
+        pinfer_dot_rows_ahead(R, &rows, l->qx, k, out, next, stride);
+        memcpy(l->y + r, out, (size_t)real * sizeof(float));
     }
     const int64_t ahead8 = rows_ahead(k);
     for (; r < r1; r++) {

@@ -128,7 +128,9 @@ static inline __m256 pinfer_exp256(__m256 x0) {
 int pinfer_sparse_isa(int want);
 void pinfer_quantize_x(const float *x, int64_t d, qx_t *o);
 /* One row's dot per q4 row r < R (R = 1, 2 or 4): the rows' q, fifth bits (q5) or NULL, scales and
-   mins (or NULL) by pointer; out[r]. Each row's sum is the same bits whatever R it is computed in
+   mins (or NULL) by pointer; out[r]. A row's sum is the same bits with R = 2 or 4; with R = 1 (a row
+   read alone) it may differ by float rounding (AVX2 sums it in two chains), so a caller reads every
+   row of a matrix alone, or none: then no result depends on how rows are split over threads
    (pinfer_dot_rows_ahead). */
 typedef struct {
     const uint8_t *q[4], *qh[4];
