@@ -154,10 +154,10 @@ def test_head_row_dots_against_numpy(fmt, isa):
 @pytest.mark.parametrize("k", [576, 1088])
 @pytest.mark.parametrize("isa", AVAILABLE)
 def test_row_dots_bits_do_not_depend_on_the_thread_split(k, isa):
-    """A q4 matrix split over 2 threads (1002 rows: ranges of 501, ending inside a block of four) gives the
-    same bits as on 1: rows read four at a time (576 columns) go four at a time at a range's end
-    too, and rows read alone (1088: past SHORT_ROW) always alone; a row read alone sums in another
-    order than one of four (dots.h)."""
+    """A q4 matrix of 1002 rows on 2 threads gives the same bits as on 1. A row read alone sums in
+    another order than in a block of four (dots.h), so the threads take whole blocks: split by rows
+    (501 each), the first range would end inside a block and read its last row alone. Rows of 576
+    columns go four at a time; rows of 1088 (past SHORT_ROW) always alone."""
     sparse_isa(isa)
     rng = np.random.default_rng(k)
     rows = 1002
@@ -179,15 +179,15 @@ def _rotate_half(v, c, s):
     return np.concatenate([v[:h] * c - v[h:] * s, v[h:] * c + v[:h] * s])
 
 
-@pytest.mark.parametrize("hd", [32, 40, 64, 96, 128])
+@pytest.mark.parametrize("hd", [32, 36, 40, 64, 96, 128])
 @pytest.mark.parametrize("softcap", [0.0, 3.0])
 @pytest.mark.parametrize("isa", AVAILABLE)
 def test_attention_step_against_numpy(hd, softcap, isa):
     """One layer's attention call (float weights, so that x is not quantized) against NumPy in
-    float64, at head widths the scores' fixed-width loops take (32, 64, 96, 128) and ones they leave
-    to the variable-width loops (40), with and without a softcap, over 1 to 37 positions (the scores
-    go four positions at a time: every remainder). Float32 sums in another order than NumPy's: 1e-5
-    of the largest value."""
+    float64: head widths the scores take as constants (32, 64, 96, 128), a multiple of 8 they take as
+    a variable (40), and one that is not (36: AVX-512's masked lanes, the portable loop on AVX2),
+    with and without a softcap, over 1 to 37 positions (the scores go four positions at a time: every
+    remainder). Float32 sums in another order than NumPy's: 1e-5 of the largest value."""
     sparse_isa(isa)
     rng = np.random.default_rng(hd)
     n_head, n_kv, n_ctx = 4, 2, 48

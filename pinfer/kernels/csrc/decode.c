@@ -171,9 +171,7 @@ static float dot_q8_avx2(const uint8_t *q, const uint16_t *scale, const qx_t *x,
     int64_t g = 0;
     for (; g + 8 <= ng; g += 8) block_q8_avx2(q, scale, x, g, 8, &acc, next);
     if (g < ng) block_q8_avx2(q, scale, x, g, ng - g, &acc, next);
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    return pinfer_hsum8(acc);
 }
 #endif
 
@@ -206,10 +204,13 @@ typedef struct {
     int isa;
 } lin_t;
 
-static void lin_rows(void *p, int64_t r0, int64_t r1) {
+/* Rows 4 * b0 .. 4 * b1 (the last range ends at the matrix's end): the ranges hold whole blocks of
+   four, so a matrix's rows go in the same blocks on any number of threads, and the rows left over
+   at its end alone (a row read alone sums in another order: dots.h). */
+static void lin_rows(void *p, int64_t b0, int64_t b1) {
     const lin_t *l = p;
     const linear_t *w = l->w;
-    const int64_t k = w->k, ng = k / G;
+    const int64_t k = w->k, ng = k / G, r0 = 4 * b0, r1 = 4 * b1 < w->rows ? 4 * b1 : w->rows;
     const int blocks = w->fmt == FMT_Q4 || w->fmt == FMT_Q5;
     const int64_t stride = k / 2;    /* q bytes a row */
     int64_t r = r0;
@@ -217,22 +218,16 @@ static void lin_rows(void *p, int64_t r0, int64_t r1) {
     const int four = rows_by_four(k);
     const int64_t ahead = rows_ahead(stride);
     for (int R = 1; blocks && r < r1; r += R) {
-        /* the last rows of a range read four at a time go four too, the last one repeated: a row
-           read alone sums in another order (dots.h) */
-        R = four ? 4 : 1;
-        const int64_t real = r1 - r < R ? r1 - r : R;
+        R = r1 - r >= 4 && four ? 4 : 1;
         rows4_t rows;
         for (int i = 0; i < R; i++) {
-            const int64_t ri = r + (i < real ? i : real - 1);
-            rows.q[i] = (const uint8_t *)w->q + ri * stride;
-            rows.qh[i] = w->qh ? w->qh + ri * (k / 8) : NULL;
-            rows.scale[i] = w->scale + ri * ng;
-            rows.min[i] = w->min ? w->min + ri * ng : NULL;
+            rows.q[i] = (const uint8_t *)w->q + (r + i) * stride;
+            rows.qh[i] = w->qh ? w->qh + (r + i) * (k / 8) : NULL;
+            rows.scale[i] = w->scale + (r + i) * ng;
+            rows.min[i] = w->min ? w->min + (r + i) * ng : NULL;
         }
         const uint8_t *next = ahead && r + R + ahead <= w->rows ? rows.q[0] + ahead * stride : NULL;
-        float out[4];
-        pinfer_dot_rows_ahead(R, &rows, l->qx, k, out, next, stride);
-        memcpy(l->y + r, out, (size_t)real * sizeof(float));
+        pinfer_dot_rows_ahead(R, &rows, l->qx, k, l->y + r, next, stride);
     }
     const int64_t ahead8 = rows_ahead(k);
     for (; r < r1; r++) {
@@ -263,7 +258,7 @@ static void linear(const linear_t *w, const float *x, float *y, float *qbuf, int
     if (w->fmt == FMT_Q4 || w->fmt == FMT_Q5) pinfer_quantize_x(x, w->k, &qx);
     else if (w->fmt == FMT_Q8) quantize_natural(x, w->k, &qx);
     lin_t l = {w, &qx, x, y, isa};
-    pinfer_parallel(w->rows * w->k >= PARALLEL_WORK ? threads : 1, w->rows, lin_rows, &l);
+    pinfer_parallel(w->rows * w->k >= PARALLEL_WORK ? threads : 1, (w->rows + 3) / 4, lin_rows, &l);
 }
 
 /* -- norms, RoPE, attention ---------------------------------------------------------------------- */
@@ -357,41 +352,26 @@ static void head_avx512(const float *q, const float *K, const float *V, int64_t 
     for (int64_t c = 0; c < nv; c++) _mm512_mask_storeu_ps(o + 16 * c, mk[c], _mm512_mul_ps(ov[c], inv));
 }
 
-/* s[j] = exp(s[j] - top) for j < n, in 8-wide lanes; returns their sum. The last lanes are masked:
-   a position's weight is the same bits wherever it is. */
-__attribute__((target("avx2,fma"), always_inline))
-static inline float exp_scores_avx2(float *s, int64_t n, float top) {
-    __m256 tv = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j += 8) {
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 e = _mm256_and_ps(pinfer_exp256(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), _mm256_set1_ps(top))),
-                                       _mm256_castsi256_ps(m));
-        _mm256_maskstore_ps(s + j, m, e);
-        tv = _mm256_add_ps(tv, e);
-    }
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(tv), _mm256_extractf128_ps(tv, 1));
-    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
-}
-
-/* head_portable with hd = 8 * NV, in 8-wide lanes; NV a constant where inlined, so that q and the
-   output stay in registers (with NV a variable they lived on the stack, and each position's score
-   was a chain of NV dependent FMAs and a horizontal sum of its own: about 54 cycles a head and
-   position for SmolLM2's 64-wide heads, 7% of its decode token). Scores are made four positions at
-   a time and summed across lanes by one tree (hadd) per position, whatever four it is in, so that
-   a score's bits do not depend on n (the last block's missing positions repeat its first and are
-   dropped); the sum over V goes in position order. Every wrapper below is this code; compiled for
-   AVX-512 (head8_*_avx512) it has 32 vector registers for the 16-register spills of NV = 16.
-   SmolLM2 Q4_0, 128 tokens after 5, 1 thread, the heads' time per token (rdtsc around them, a
-   throwaway build alternating both in one process): AVX2 367 -> 304 us, AVX-512 371 -> 327 us. What
-   is left is mostly the K/V rows' reads from memory: prefetching them while the qkv rows are read
-   took them to 223 us but cost as much again in the prefetches, so it is not done. */
+/* head_portable with hd = 8 * NV, in 8-wide lanes. NV is a constant where the common widths inline
+   it, so that q and the output stay in registers (with NV a variable they lived on the stack, and
+   each position's score was a chain of NV dependent FMAs and a horizontal sum of its own: about 54
+   cycles a head and position for SmolLM2's 64-wide heads, 7% of its decode token); other widths
+   take it as a variable. Scores are made four positions at a time and summed across lanes by one
+   tree (hadd) per position, whatever four it is in, so that a score's bits do not depend on n (the
+   last block's missing positions repeat its first and are dropped); the exps are masked in the
+   last lanes, so that a position's weight is the same bits wherever it is; the sum over V goes in
+   position order. Compiled for AVX-512 (head8_*_avx512) it has 32 vector registers for the
+   16-register spills of NV = 16. SmolLM2 Q4_0, 128 tokens after 5, 1 thread, the heads' time per
+   token (rdtsc around them, a throwaway build alternating both in one process): AVX2 367 -> 304
+   us, AVX-512 371 -> 327 us. What is left is mostly the K/V rows' reads from memory: prefetching
+   them while the qkv rows are read took them to 223 us but cost as much again in the prefetches,
+   so it is not done. */
+#define HEAD8_MAX 32
 __attribute__((target("avx2,fma"), always_inline))
 static inline void head8(const int NV, const float *q, const float *K, const float *V, int64_t n, float scale,
                          float softcap, float *s, float *o) {
     const int64_t hd = 8 * NV;
-    __m256 qv[16], ov[16];
+    __m256 qv[HEAD8_MAX], ov[HEAD8_MAX];
 #pragma GCC unroll 16
     for (int c = 0; c < NV; c++) {
         qv[c] = _mm256_loadu_ps(q + 8 * c);
@@ -430,73 +410,55 @@ static inline void head8(const int NV, const float *q, const float *K, const flo
     _mm_storeu_ps(top4s, top4);
     for (int i = 0; i < 4; i++) top = top4s[i] > top ? top4s[i] : top;
     for (int64_t j = n / 4 * 4; j < n; j++) top = s[j] > top ? s[j] : top;
-    const __m256 inv = _mm256_set1_ps(1.0f / exp_scores_avx2(s, n, top));
+    __m256 tv = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j < 8 ? n - j : 8)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 e = _mm256_and_ps(pinfer_exp256(_mm256_sub_ps(_mm256_maskload_ps(s + j, m), _mm256_set1_ps(top))),
+                                       _mm256_castsi256_ps(m));
+        _mm256_maskstore_ps(s + j, m, e);
+        tv = _mm256_add_ps(tv, e);
+    }
     for (int64_t j = 0; j < n; j++) {
         const __m256 p = _mm256_set1_ps(s[j]);
 #pragma GCC unroll 16
         for (int c = 0; c < NV; c++) ov[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(V + j * hd + 8 * c), ov[c]);
     }
+    const __m256 inv = _mm256_set1_ps(1.0f / pinfer_hsum8(tv));
 #pragma GCC unroll 16
     for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(ov[c], inv));
 }
 
-typedef void (*head_fn)(const float *, const float *, const float *, int64_t, float, float, float *, float *);
-#define PINFER_HEAD8(NV)                                                                                        \
-    __attribute__((target("avx2,fma"))) static void head8_##NV(const float *q, const float *K, const float *V,      \
-                                                              int64_t n, float scale, float softcap, float *s,    \
-                                                              float *o) {                                       \
+/* head8 for one width on one ISA; `hd` is read only by the variable-width ones (head8_any*). */
+typedef void (*head_fn)(const float *, const float *, const float *, int64_t, int64_t, float, float, float *, float *);
+#define PINFER_HEAD8(NAME, NV)                                                                                  \
+    __attribute__((target("avx2,fma"))) static void NAME(const float *q, const float *K, const float *V,          \
+                                                        int64_t n, int64_t hd, float scale, float softcap,      \
+                                                        float *s, float *o) {                                   \
+        (void)hd;                                                                                               \
         head8(NV, q, K, V, n, scale, softcap, s, o);                                                            \
     }                                                                                                           \
-    __attribute__((target("avx512f,avx512vl,fma"))) static void head8_##NV##_avx512(                               \
-        const float *q, const float *K, const float *V, int64_t n, float scale, float softcap, float *s, float *o) { \
+    __attribute__((target("avx512f,avx512vl,fma"))) static void NAME##_avx512(                                    \
+        const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale, float softcap,      \
+        float *s, float *o) {                                                                                   \
+        (void)hd;                                                                                               \
         head8(NV, q, K, V, n, scale, softcap, s, o);                                                            \
     }
-PINFER_HEAD8(4) PINFER_HEAD8(8) PINFER_HEAD8(12) PINFER_HEAD8(16)
+PINFER_HEAD8(head8_4, 4) PINFER_HEAD8(head8_8, 8) PINFER_HEAD8(head8_12, 12) PINFER_HEAD8(head8_16, 16)
+PINFER_HEAD8(head8_any, (int)(hd / 8))
 
-/* The head8 for head width hd on the ISA, or NULL (hd not 32, 64, 96 or 128: the loops with a
-   variable width take it). */
+/* The head8 for head width hd on the ISA (AVX2 or AVX-512), or NULL where hd is not a multiple of 8
+   up to 8 * HEAD8_MAX. */
 static head_fn head8_for(int64_t hd, int isa) {
     const int w = isa == ISA_AVX512;
+    if (hd % 8 || hd > 8 * HEAD8_MAX) return NULL;
     switch (hd) {
     case 32: return w ? head8_4_avx512 : head8_4;
     case 64: return w ? head8_8_avx512 : head8_8;
     case 96: return w ? head8_12_avx512 : head8_12;
     case 128: return w ? head8_16_avx512 : head8_16;
-    default: return NULL;
+    default: return w ? head8_any_avx512 : head8_any;
     }
-}
-
-/* head_portable with hd a multiple of 8, in 8-wide lanes (widths head8 does not take). */
-__attribute__((target("avx2,fma")))
-static void head_avx2(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
-                      float softcap, float *s, float *o) {
-    const int64_t nv = hd / 8;
-    if (hd % 8 || nv > 32) {
-        head_portable(q, K, V, n, hd, scale, softcap, s, o);
-        return;
-    }
-    __m256 qv[32], ov[32];
-    for (int64_t c = 0; c < nv; c++) {
-        qv[c] = _mm256_loadu_ps(q + 8 * c);
-        ov[c] = _mm256_setzero_ps();
-    }
-    float top = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t c = 0; c < nv; c++) a = _mm256_fmadd_ps(_mm256_loadu_ps(K + j * hd + 8 * c), qv[c], a);
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        float v = scale * _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
-        if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
-        s[j] = v;
-        top = v > top ? v : top;
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / exp_scores_avx2(s, n, top));
-    for (int64_t j = 0; j < n; j++) {
-        const __m256 p = _mm256_set1_ps(s[j]);
-        for (int64_t c = 0; c < nv; c++) ov[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(V + j * hd + 8 * c), ov[c]);
-    }
-    for (int64_t c = 0; c < nv; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(ov[c], inv));
 }
 #endif
 
@@ -504,22 +466,20 @@ static void heads(void *p, int64_t h0, int64_t h1) {
     const heads_t *t = p;
     const attn_call_t *a = t->a;
     const int64_t hd = a->hd, group = a->n_head / a->n_kv;
+#ifdef PINFER_X86
+    const head_fn f = t->isa == ISA_PORTABLE ? NULL : head8_for(hd, t->isa);
+#endif
     for (int64_t h = h0; h < h1; h++) {
         const float *K = a->k_cache + (h / group) * a->n_ctx * hd, *V = a->v_cache + (h / group) * a->n_ctx * hd;
         const float *q = t->q + h * hd;
         float *s = t->scores + h * a->n_ctx, *o = t->out + h * hd;
 #ifdef PINFER_X86
-        const head_fn f = t->isa == ISA_PORTABLE ? NULL : head8_for(hd, t->isa);
         if (f) {
-            f(q, K, V, t->n, a->scale, a->softcap, s, o);
+            f(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
             continue;
         }
-        if (t->isa == ISA_AVX512) {
+        if (t->isa == ISA_AVX512) {     /* widths not a multiple of 8 */
             head_avx512(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
-            continue;
-        }
-        if (t->isa == ISA_AVX2) {
-            head_avx2(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
             continue;
         }
 #endif

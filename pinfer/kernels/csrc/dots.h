@@ -81,6 +81,14 @@ static inline __m256 pinfer_load8_ps(const float *p, int64_t n) {
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
+/* The sum of the eight lanes, in one fixed order. */
+__attribute__((target("avx"), always_inline))
+static inline float pinfer_hsum8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
 __attribute__((target("avx2,f16c"), always_inline))
 static inline __m256 pinfer_load8_ph(const uint16_t *p, int64_t n) {
     if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));

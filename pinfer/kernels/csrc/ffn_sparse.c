@@ -228,13 +228,6 @@ static inline __m256i sixteens_avx2(uint32_t m) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
 }
 
-__attribute__((target("avx2,fma,f16c"), always_inline))
-static inline float hsum256(__m256 acc) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
-}
-
 /* block_avx512 on AVX2: kg groups from g (eight but at the end of a row) of R rows, two groups (32
    weight bytes a row) per step by pmaddubsw on q as it is (the pair sums stay under 2 * 31 * 127,
    their sums under 2^15), one group at a row's odd end; the block's eight scales converted once a
@@ -331,7 +324,7 @@ static inline void rows_q4_avx2(const int R, const int MIN, const int QH, const 
     if (g < ng) block_avx2(R, MIN, QH, w, x, ng, g, ng - g, acc, next, nstride);
     if (R == 1) acc[0] = _mm256_add_ps(acc[0], acc[1]);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]);
+    for (int r = 0; r < R; r++) out[r] = pinfer_hsum8(acc[r]);
 }
 
 /* The row counts the callers use (1, 2, 4), with and without mins and fifth bits: each a function of
