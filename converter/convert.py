@@ -300,8 +300,8 @@ def _layer(src, T, cfg, i, w, em, lay, quant, hot=None):
     else:
         _ffn_bundles(src, n, gu_roles, cfg, i, em, lay.perm, quant)
     if lay.predictor is not None:
-        em.put(S.FFN_PRED_W1.format(i), "q8", lay.predictor.parts1)
-        em.put(S.FFN_PRED_W2.format(i), "q8", lay.predictor.parts2)
+        em.put(S.FFN_PRED_W1.format(i), lay.predictor.fmt, lay.predictor.parts1)
+        em.put(S.FFN_PRED_W2.format(i), lay.predictor.fmt, lay.predictor.parts2)
         w.add_tensor(S.FFN_PRED_B2.format(i), lay.predictor.b2)
 
 

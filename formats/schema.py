@@ -138,8 +138,8 @@ FFN_POST_NORM = "blk.{}.post_ffw_norm.weight"          # (d_model,)
 # in FFN_GATE_UP / FFN_DOWN_T, the remaining rows (q4) follow in these:
 FFN_GATE_UP_COLD = "blk.{}.ffn_gate_up_cold"
 FFN_DOWN_T_COLD = "blk.{}.ffn_down_t_cold"
-FFN_PRED_W1 = "blk.{}.ffn_pred_w1"          # (rank, d_model) q8: predictor x -> relu(W1 x)
-FFN_PRED_W2 = "blk.{}.ffn_pred_w2"          # (n_ff, rank) q8: scores = W2 relu(W1 x) + b2, file order
+FFN_PRED_W1 = "blk.{}.ffn_pred_w1"          # (rank, d_model) q8 or q4: predictor x -> relu(W1 x)
+FFN_PRED_W2 = "blk.{}.ffn_pred_w2"          # (n_ff, rank), W1's format: scores = W2 relu(W1 x) + b2, file order
 FFN_PRED_B2 = "blk.{}.ffn_pred_b2"          # (n_ff,) f32
 FFN_FREQ = "ffn_freq"                       # (n_layer, n_ff) f32 calibrated activation frequency,
                                             # file order (sorted hottest first in reordered layers)

@@ -58,8 +58,8 @@ def layer_kernel(model, i, mode):
     r, cfg, dv = model.reader, model.cfg, model.devices
     parts = (r.block(S.FFN_GATE_UP.format(i), own=True), r.block(S.FFN_DOWN_T.format(i), own=True), None)
     if S.MODES[mode].uses_predictor:
-        parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i), own=True)[1],
-                              r.block(S.FFN_PRED_W2.format(i), own=True)[1],
+        parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i), own=True),
+                              r.block(S.FFN_PRED_W2.format(i), own=True),
                               r.tensor(S.FFN_PRED_B2.format(i))),)
     k = model.plan.hot[i] if model.plan else 0
     if dv.ffn == "gpu":

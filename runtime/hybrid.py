@@ -13,13 +13,13 @@ from pinfer.kernels import SparseFFN
 
 def cut(gate_up, down, predictor, start, stop):
     """Neurons [start, stop) of a layer's bundles: gate_up and down as (fmt, parts), the predictor
-    as SparseFFN takes it, (w1 parts, w2 parts, b2): w1 whole, w2 and b2 cut."""
+    as SparseFFN takes it, ((fmt, w1 parts), (fmt, w2 parts), b2): w1 whole, w2 and b2 cut."""
     gu = (gate_up[0], blocks.row_slice(gate_up[0], gate_up[1], start, stop))
     dn = (down[0], blocks.row_slice(down[0], down[1], start, stop))
     pred = None
     if predictor is not None:
         w1, w2, b2 = predictor
-        pred = (w1, blocks.row_slice("q8", w2, start, stop), b2[start:stop])
+        pred = (w1, (w2[0], blocks.row_slice(*w2, start, stop)), b2[start:stop])
     return gu, dn, pred
 
 

@@ -136,7 +136,7 @@ def layer_specs(reader, cfg, rules):
         df, dp = reader.block(S.FFN_DOWN_T.format(i))
         rank = 0
         if S.MODES[rules[i]].uses_predictor:
-            rank = reader.block(S.FFN_PRED_W1.format(i))[1]["q"].shape[0]
+            rank = reader.block(S.FFN_PRED_W1.format(i))[1]["q"].shape[0]     # q8 on the GPU (gpu.q8_predictor)
         spec = HotSpec(cfg.d_model, cfg.n_ff, (gf, "min" in gp), (df, "min" in dp), rank)
         why = spec.supported()
         out.append((None, f"the GPU kernels do not take {why}") if why else (spec, None))

@@ -72,13 +72,13 @@ def test_the_plan_counts_the_bytes_that_are_copied(gu_fmt, dn_fmt):
     n, d, r = 128, 96, 32
     gf, gparts, _, _ = gate_up(gu_fmt, n, d)
     df, dparts, _ = down(dn_fmt, n, d)
-    pred = predictor(n, d, r)
+    pred = predictor(n, d, r, "q4" if gu_fmt == "q4" else "q8")    # a q4 predictor goes to the GPU in q8
     for with_pred in (False, True):
         spec = gpu_mod.HotSpec(d, n, (gf, "min" in gparts), (df, "min" in dparts), r if with_pred else 0)
         assert spec.supported() is None
         for k in (32, 64, 128):
             gu, dn, p = hybrid.cut((gf, gparts), (df, dparts), pred if with_pred else None, 0, k)
-            arrays = gpu_mod.check_arrays(spec, k, gu, dn, p)
+            arrays = gpu_mod.check_arrays(spec, k, gu, dn, gpu_mod.q8_predictor(p))
             layout, total = spec.layout(k)
             scratch = dict(spec.scratch_parts(k))
             assert set(layout) == set(arrays) | set(scratch)
@@ -97,6 +97,25 @@ def test_the_plan_counts_the_bytes_that_are_copied(gu_fmt, dn_fmt):
     with pytest.raises(ValueError, match="not the planned|against the plan"):
         gpu_mod.check_arrays(gpu_mod.HotSpec(d, n, ("f16" if gf == "f32" else "f32", False), (df, "min" in dparts)), 32,
                              *hybrid.cut((gf, gparts), (df, dparts), None, 0, 32)[:2])
+
+
+def test_a_q4_predictor_goes_to_the_gpu_in_q8_within_half_a_step():
+    """The GPU kernels read q8 predictors: a q4 one is rounded to q8 from its stored values, each
+    weight within half a q8 step (its group's largest magnitude / 254, plus f16's rounding of the
+    scale) of the q4 weight its thresholds were chosen on; a q8 one is passed through as it is."""
+    from pinfer.formats import blocks
+    n, d, r = 128, 96, 32
+    q4 = predictor(n, d, r, "q4")
+    (f1, w1), (f2, w2), b2 = gpu_mod.q8_predictor(q4)
+    assert (f1, f2) == ("q8", "q8") and b2 is q4[2]
+    for (_, want_parts), parts in ((q4[0], w1), (q4[1], w2)):
+        want = blocks.dequantize("q4", want_parts).reshape(-1, 32)
+        got = blocks.dequantize("q8", parts).reshape(-1, 32)
+        step = np.abs(want).max(axis=1, keepdims=True) / 127
+        assert (np.abs(got - want) <= 0.5 * step * (1 + 2 ** -9) + 1e-7).all()
+    q8 = predictor(n, d, r)
+    assert all(a is b for a, b in zip(gpu_mod.q8_predictor(q8), q8))
+    assert gpu_mod.q8_predictor(None) is None
 
 
 def _power_law(n, active, alpha):

@@ -84,6 +84,28 @@ def test_relu_predictor_keeps_mass_on_heldout_tokens(relu_files):
     assert agree >= 0.9 and gu < 1.0
 
 
+def test_each_layer_keeps_the_predictor_format_that_reads_fewest_bytes(relu_files):
+    """The calibration stores every trained rank in q8 and q4 and keeps the pair that reads the
+    fewest bytes per token at 0.99 mass recall (the predictor, then the candidates' share of the
+    layer's FFN bytes); the file's predictor tensors are in the format the header names."""
+    r = PinfReader(relu_files["source"])
+    cfg, body = r.header["config"], json.loads(Path(str(relu_files["source"]) + ".report.json").read_text())
+    d, n = cfg["d_model"], cfg["n_ff"]
+    per_weight = {"q8": 1 + 2 / 32, "q4": 0.5 + 4 / 32}     # q8: q and a scale; q4: nibbles, scale and min
+    ffn_bytes = 3 * d * n * 4       # the source's FFN (an F32 GGUF), which the candidates' share is of
+    for i, lay in enumerate(body["layers"]):
+        p = lay["predictor"]
+        tried = {tuple(k.split()): v for k, v in p["ranks_tried"].items()}
+        assert {f for _, f in tried} == {"q8", "q4"}
+        cost = {(int(rk), f): rk_bytes + share * ffn_bytes
+                for (rk, f), share in tried.items() for rk_bytes in [int(rk) * (d + n) * per_weight[f] + 4 * n]}
+        assert min(cost, key=cost.get) == (p["rank"], p["format"]), cost
+        assert p["bytes"] == p["rank"] * (d + n) * per_weight[p["format"]] + 4 * n
+        for name in (S.FFN_PRED_W1, S.FFN_PRED_W2):
+            assert r.block(name.format(i))[0] == p["format"]
+        print(f"layer {i}: " + ", ".join(f"rank {rk} {f}: {share:.1%} candidates" for (rk, f), share in tried.items()))
+
+
 def test_hot_first_order_is_sorted_and_changes_nothing(relu_files):
     hot, src = PinfReader(relu_files["hot-first"]), PinfReader(relu_files["source"])
     f_hot, f_src = hot.tensor(S.FFN_FREQ), src.tensor(S.FFN_FREQ)

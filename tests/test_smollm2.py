@@ -33,9 +33,12 @@ def session(tmp_path_factory):
 
 def test_teacher_forced_top1_agreement_with_reference(session):
     """Top-1 agreement with the exact float reference over 2,000 tokens of the wikitext test text
-    (4 windows of 500). int8 activations (MatMulNBits accuracy level 4, as llama.cpp quantizes
-    them) flip near-ties: measured 96.5% for pinfer and 96.3% for llama.cpp itself against the same
-    reference, so the bound is 96%, not the 98% an exact-activation path would reach."""
+    (4 windows of 500), which run as prompts through ONNX Runtime's graphs. int8 activations
+    (MatMulNBits accuracy level 4, as llama.cpp quantizes them) flip near-ties: on a 2-core EPYC
+    with AVX-512 VNNI pinfer measured 96.5% and llama.cpp 96.3% against the same reference; on an
+    AVX2-only one (Zen 2) ONNX Runtime 1.32's AVX2 int8 path gave 95.5% (1910 of 2000), while
+    llama.cpp and pinfer's own decode kernels, fed the same windows token by token, gave 96.35%
+    each (1927). So the bound is 95%, not the 98% an exact-activation path would reach."""
     ids = session.tokenizer.encode(WIKI.read_text(encoding="utf-8")[:40000], parse_special=False)
     agree, total, worst, sq, n = 0, 0, 0.0, 0.0, 0
     for w in range(4):
@@ -50,7 +53,7 @@ def test_teacher_forced_top1_agreement_with_reference(session):
     rms = (sq / n) ** 0.5
     print(f"top-1 agreement {agree}/{total} = {agree / total:.4f}; max |logit difference| {worst:.3f}, "
           f"RMS {rms:.3f}")
-    assert agree / total >= 0.96
+    assert agree / total >= 0.95
     assert rms < 0.5
 
 

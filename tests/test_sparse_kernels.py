@@ -67,11 +67,12 @@ def down(fmt, n, d):
     return base, parts, blocks.dequantize(base, parts)
 
 
-def predictor(n, d, r):
-    w1 = blocks.quantize("q8", RNG.standard_normal((r, d)).astype(np.float32) * 0.3)
-    w2 = blocks.quantize("q8", RNG.standard_normal((n, r)).astype(np.float32) * 0.3)
+def predictor(n, d, r, fmt="q8"):
+    """A random predictor as SparseFFN takes it: ((fmt, w1 parts), (fmt, w2 parts), b2)."""
+    w1 = blocks.quantize(fmt, RNG.standard_normal((r, d)).astype(np.float32) * 0.3)
+    w2 = blocks.quantize(fmt, RNG.standard_normal((n, r)).astype(np.float32) * 0.3)
     b2 = RNG.standard_normal(n).astype(np.float32) * 0.1
-    return w1, w2, b2
+    return (fmt, w1), (fmt, w2), b2
 
 
 def quantized_x(x):
@@ -113,11 +114,16 @@ def gap_threshold(values, q):
 
 
 def scores(pred, x):
-    """The predictor's logits as the kernel computes them: its q8 rows against x, then against the
-    hidden z, each rounded to int8 per group of 32 as quantized_x does."""
-    w1, w2, b2 = pred
-    z = np.maximum(blocks.dequantize("q8", w1).astype(np.float64) @ quantized_x(x), 0)
-    return blocks.dequantize("q8", w2).astype(np.float64) @ quantized_x(z.astype(np.float32)) + b2
+    """The predictor's logits as the kernel computes them: its q8 or q4 rows against x, then against
+    the hidden z, each rounded to int8 per group of 32 as quantized_x does (a q4 row's centre()
+    meets them unrounded)."""
+    def rows(fmt, parts):
+        dense = blocks.dequantize(fmt, parts).view(Rows)
+        dense.mins = centre(parts, 8) if "min" in parts else None
+        return dense
+    (f1, w1), (f2, w2), b2 = pred
+    z = np.maximum(rows(f1, w1).dot(x, quantized_x(x)), 0).astype(np.float32)
+    return rows(f2, w2).dot(z, quantized_x(z)) + b2
 
 
 CASES = [("q4", "q4r"), ("q4", "q4"), ("q4-nomin", "q4r-nomin"), ("q4", "q4-nomin"), ("f16", "f16"),
@@ -133,7 +139,7 @@ def test_sparse_ffn_matches_numpy(isa, gu_fmt, dn_fmt, mode, act, n, d):
     sparse_isa(isa)
     gf, gparts, G_, U_ = gate_up(gu_fmt, n, d)
     df, dparts, W = down(dn_fmt, n, d)
-    pred = predictor(n, d, 32)
+    pred = predictor(n, d, 32, "q4" if n == 64 else "q8")   # the q4 predictor's rows of 160 and 32 four at a time
     x = RNG.standard_normal(d).astype(np.float32)
     s = scores(pred, x)
     pred_thr = gap_threshold(s, 0.4)
@@ -154,24 +160,30 @@ def test_sparse_ffn_matches_numpy(isa, gu_fmt, dn_fmt, mode, act, n, d):
 
 
 @pytest.mark.parametrize("isa", AVAILABLE)
-def test_predictor_candidates_at_llama_widths(isa):
-    """The predictor's q8 rows over whole blocks of 16 (8 on AVX2) groups and their tails: x of
-    4192 (8 blocks and 3 groups), a rank of 448 (14 groups, as LLaMA-7B's predictors). Every
-    candidate survives (silu, |h| >= 0), so the survivors are the candidates."""
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_predictor_candidates_at_llama_widths(isa, fmt):
+    """The predictor's q8 rows over whole blocks of 16 (8 on AVX2) groups and their tails, or its q4
+    rows (W1's 4192 wide one at a time, W2's 448 wide four at a time): x of 4192 (8 blocks and 3
+    groups), a rank of 448 (14 groups, as LLaMA-7B's predictors). Every candidate survives (silu,
+    |h| >= 0), so the survivors are the candidates. W1 is large enough to split over two threads,
+    which give the same bits."""
     sparse_isa(isa)
     n, d, r = 256, 4192, 448
     gf, gparts, G_, U_ = gate_up("q4", n, d)
     df, dparts, W = down("q4r", n, d)
-    pred = predictor(n, d, r)
+    pred = predictor(n, d, r, fmt)
     x = RNG.standard_normal(d).astype(np.float32)
     s = scores(pred, x)
     ffn = SparseFFN((gf, gparts), (df, dparts), n, d, predictor=pred)
+    ffn2 = SparseFFN((gf, gparts), (df, dparts), n, d, predictor=pred, threads=2)
     for q in (0.2, 0.5, 0.9):
         pred_thr = gap_threshold(s, q)
-        y = np.empty(d, np.float32)
+        y, y2 = np.empty(d, np.float32), np.empty(d, np.float32)
         want = np.flatnonzero(s >= pred_thr)
         assert ffn(x, y, "predicted", 0.0, pred_thr) == (len(want), len(want))
         assert np.array_equal(ffn.survivors()[0], want)
+        assert ffn2(x, y2, "predicted", 0.0, pred_thr) == (len(want), len(want))
+        np.testing.assert_array_equal(y2, y)
 
 
 @pytest.mark.parametrize("isa", AVAILABLE)
@@ -349,9 +361,9 @@ def test_batch_gives_each_token_its_single_call_bits(isa, gu_fmt, dn_fmt, mode, 
     n, d, nt = 288, 160, 7
     gf, gparts, G_, U_ = gate_up(gu_fmt, n, d)
     df, dparts, W = down(dn_fmt, n, d)
-    pred = predictor(n, d, 32)
+    pred = predictor(n, d, 32, "q4" if mode == "relu" else "q8")
     x = RNG.standard_normal((nt, d)).astype(np.float32)
-    pred_thr = gap_threshold(scores(pred, x[0]), 0.6)
+    pred_thr = gap_threshold(scores(pred, x[2]), 0.6)     # token 2 meets the float64 reference below
     _, _, h = reference(gf, G_, U_, W, x[0], act, "dense", 0, None)
     thr = gap_threshold(np.abs(h), 0.3)
     cands = [np.sort(RNG.choice(n, size=k, replace=False)).astype(np.int32) for k in (0, 1, 30, 100, 200, 288, 57)]

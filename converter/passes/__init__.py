@@ -205,14 +205,14 @@ def _layer_layout(lc, p, order, f, ffn_bytes):
     """A layer's LayerLayout for operating point p, from its calibration lc: neurons hottest first
     where the mode selects them (the predictor permuted alike), and the header's account of it."""
     perm = np.argsort(-lc.freq, kind="stable") if _permuted(order, p.mode) else None
-    pred = lc.predictor if perm is None else _permute_predictor(lc.predictor, perm)
+    pred = lc.predictor if perm is None else lc.predictor.permuted(perm)
     return LayerLayout(
         mode=p.mode, value=p.value, perm=perm, freq=lc.freq if perm is None else lc.freq[perm], predictor=pred,
         info={"mode": p.mode, "value": p.value, "order": "source" if perm is None else "hot-first",
               "bundle_formats": {"gate_up": f.gate_up[0], "down_t": f.down[0]},
               "thresholds": {f"{s:g}": t for s, t in lc.thresholds.items()},
               "active_fraction": float(lc.freq.mean()),
-              "predictor": {"rank": pred.rank, "ranks_tried": {str(r): v for r, v in lc.ranks_tried.items()},
+              "predictor": {"rank": pred.rank, "format": pred.fmt, "ranks_tried": dict(lc.ranks_tried),
                             "bytes": pred.nbytes(),
                             "thresholds": [t.__dict__ for t in lc.pred_thresholds]},
               "read": {k: list(v) for k, v in lc.read.items()},
@@ -276,7 +276,7 @@ def powerinfer_plan(src, names, cfg, opts, quant):
         pred = Predictor(blocks.dequantize("q8", p1), blocks.dequantize("q8", p2), np.zeros(cfg.n_ff, np.float32), p1, p2)
         freq = counts[i] / max(counts[i].max(), 1.0)
         perm = None if opts.order == "source" else np.argsort(-counts[i], kind="stable")
-        pred = pred if perm is None else _permute_predictor(pred, perm)
+        pred = pred if perm is None else pred.permuted(perm)
         f = _bundle_formats(src, names, i, quant, perm is not None, pred.nbytes())
         layers.append(LayerLayout(
             mode="relu", value=POWERINFER_VALUE, perm=perm, freq=freq if perm is None else freq[perm], predictor=pred,
@@ -301,12 +301,6 @@ def _permuted(order, mode):
         return False
     # auto: reorder where the mode selects neurons; elsewhere keep the source's exact blocks
     return S.MODES[mode].uses_predictor
-
-
-def _permute_predictor(pred, perm):
-    from .predictor import Predictor
-    return Predictor(pred.w1, pred.w2[perm], pred.b2[perm], pred.parts1,
-                     {k: v[perm] for k, v in pred.parts2.items()})
 
 
 class _LineProgress:

@@ -16,7 +16,7 @@ Operating points (rules of formats/schema.py's sparsity modes, applied per token
 import ctypes
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -60,7 +60,7 @@ class LayerCalibration:
     freq: np.ndarray                 # (n_ff,) share of training tokens where the neuron is active
     predictor: P.Predictor
     pred_thresholds: list            # [P.Threshold] per recall target
-    ranks_tried: dict                # rank -> candidate fraction at 0.99 mass recall
+    ranks_tried: dict                # "rank format" -> candidate fraction at 0.99 mass recall
     # per operating point name -> measured on its own held-out stream:
     #   (share of gate/up rows read, share of down rows read, share of 32-neuron groups touched)
     read: dict = field(default_factory=dict)
@@ -355,17 +355,21 @@ def _share_at_99(pred, heldout):
 
 def _fit_predictor(lc, x_train, mask_train, heldout, ffn_bytes, seed, ranks):
     """Train at `ranks` (predictor_ranks: what the byte budget, a share of the layer's FFN bytes,
-    allows); keep the one that reads the fewest bytes per token at 0.99 mass recall, predictor
-    included."""
+    allows), each stored in every format the kernels read (P.FORMATS); keep the one that reads the
+    fewest bytes per token at 0.99 mass recall, predictor included: a coarser format costs
+    candidates (its scores are noisier), which the held-out tokens count."""
     _, fit, check = heldout
     half = len(fit[0])
     best = None
     for r in ranks:
-        pred = P.train(x_train, mask_train, r, seed=seed)
-        at99, s = _share_at_99(pred, heldout)
-        lc.ranks_tried[r] = at99
-        cost = pred.nbytes() + at99 * ffn_bytes
-        if best is None or cost < best[0]:
-            best = (cost, pred, s)
-    _, lc.predictor, s = best
+        trained = P.train(x_train, mask_train, r, seed=seed)
+        for fmt in P.FORMATS:
+            pred = trained.as_format(fmt)
+            at99, s = _share_at_99(pred, heldout)
+            lc.ranks_tried[f"{r} {fmt}"] = at99
+            cost = pred.nbytes() + at99 * ffn_bytes
+            if best is None or cost < best[0]:
+                best = (cost, pred, s)
+    _, pred, s = best
+    lc.predictor = replace(pred, trained=None)     # the float copy is not kept for every layer
     lc.pred_thresholds = P.calibrate((s[:half], *fit), (s[half:], *check))

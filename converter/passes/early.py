@@ -245,7 +245,7 @@ def _kernel(cfg, formats, rank, threads, rng):
     _, p1 = _weights("q8", rank, d, rng)
     p2 = blocks.quantize("q8", np.zeros((n, rank), np.float32))
     b2 = ((rng.permutation(n) + 0.5) / n).astype(np.float32)    # scores: candidates are b2 >= a quantile
-    k = SparseFFN(gate_up, down, n, d, cfg.ffn_act, (p1, p2, b2),
+    k = SparseFFN(gate_up, down, n, d, cfg.ffn_act, (("q8", p1), ("q8", p2), b2),
                   threads, down_rows="transpose" if fd == "q4r" else None)
     return k, gate, up
 

@@ -1,8 +1,10 @@
 """Per-layer activation predictors (docs/design.md §2): x (d) -> Linear(d, r) -> ReLU -> Linear(r, n_ff).
 
-Trained with class-weighted BCE on the calibrated masks, stored in q8 blocks, and given one
-decision threshold per recall target, chosen on held-out tokens for recall of activation MASS:
-the share of sum |h| over truly active neurons that the selected candidates cover.
+Trained with class-weighted BCE on the calibrated masks, stored in q8 or q4 blocks (FORMATS; the
+calibration keeps the one that reads fewer bytes per token at its recall), and given one decision
+threshold per recall target, chosen on held-out tokens, on the scores of the stored weights, for
+recall of activation MASS: the share of sum |h| over truly active neurons that the selected
+candidates cover.
 """
 
 from dataclasses import dataclass
@@ -13,17 +15,36 @@ import torch
 from pinfer.formats import blocks
 
 RECALL_TARGETS = (0.95, 0.99, 0.995, 0.999)
+FORMATS = ("q8", "q4")     # what pinfer/kernels/csrc/ffn_sparse.c's predictor reads
 MICRO_BATCH_BYTES = 24 << 20
 FIT_MARGIN = 0.2   # thresholds aim for 1 - 0.8 (1 - target) on the tokens that choose them
 
 
 @dataclass
 class Predictor:
-    w1: np.ndarray    # (r, d) float32, the values after q8 round trip
+    w1: np.ndarray    # (r, d) float32, the values after the round trip through fmt
     w2: np.ndarray    # (n_ff, r)
     b2: np.ndarray    # (n_ff,)
-    parts1: dict      # q8 parts of w1
-    parts2: dict      # q8 parts of w2
+    parts1: dict      # fmt parts of w1
+    parts2: dict      # fmt parts of w2
+    fmt: str = "q8"
+    trained: tuple = None   # the float (w1, w2) as trained, which as_format() rounds; None: w1, w2
+
+    @classmethod
+    def stored(cls, w1, w2, b2, fmt="q8"):
+        """The predictor of float weights as a file stores them in fmt (FORMATS)."""
+        p1, p2 = blocks.quantize(fmt, w1), blocks.quantize(fmt, w2)
+        return cls(blocks.dequantize(fmt, p1), blocks.dequantize(fmt, p2), b2, p1, p2, fmt, (w1, w2))
+
+    def as_format(self, fmt):
+        """The same trained weights stored in fmt."""
+        return self if fmt == self.fmt else Predictor.stored(*(self.trained or (self.w1, self.w2)), self.b2, fmt)
+
+    def permuted(self, perm):
+        """The predictor with its neurons (W2's rows, b2) in the order perm."""
+        trained = None if self.trained is None else (self.trained[0], self.trained[1][perm])
+        parts2 = {k: v[perm] for k, v in self.parts2.items()}
+        return Predictor(self.w1, self.w2[perm], self.b2[perm], self.parts1, parts2, self.fmt, trained)
 
     @property
     def rank(self):
@@ -46,8 +67,8 @@ class Predictor:
 
 def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
     """x (N, d) float32, mask (N, n_ff) bool, torch tensors on one device (the training runs there)
-    -> Predictor, weights rounded through q8. The initial weights and the batch order come from a
-    CPU generator, the same on every device."""
+    -> Predictor, weights rounded through q8 (as_format gives the other formats). The initial
+    weights and the batch order come from a CPU generator, the same on every device."""
     g = torch.Generator().manual_seed(seed)
     dev = x.device
     d, n_ff = x.shape[1], mask.shape[1]
@@ -91,9 +112,7 @@ def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
             step += 1
     w1 = fc1.weight.detach().cpu().numpy().astype(np.float32)
     w2 = fc2.weight.detach().cpu().numpy().astype(np.float32)
-    p1, p2 = blocks.quantize("q8", w1), blocks.quantize("q8", w2)
-    return Predictor(blocks.dequantize("q8", p1), blocks.dequantize("q8", p2),
-                     fc2.bias.detach().cpu().numpy().astype(np.float32), p1, p2)
+    return Predictor.stored(w1, w2, fc2.bias.detach().cpu().numpy().astype(np.float32))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ MAX_BATCH = 64  # tokens of one batch call (ffn_sparse.c: a neuron's tokens are 
 FORMAT_CODES = {"q8": 0, "q8r": 1, "q4r": 2, "f16": 3, "f32": 4, "q4": 5, "q5": 6}
 GATE_UP_FORMATS = ("q4", "q5", "f16", "f32")      # gate_up (n_ff, 2, d): formats grouped along d
 SPARSE_DOWN = ("q8", "q4", "q4r", "f16", "f32")   # down_t formats the sparse FFN reads
+PREDICTOR_FORMATS = ("q8", "q4")                  # a predictor's W1 and W2, both in one of them
 DENSE_DOWN = SPARSE_DOWN + ("q8r",)                # down_t formats DownProjection (ffn_down.c) reads
 
 
@@ -113,9 +114,9 @@ class _Rows(ctypes.Structure):
 class _Call(ctypes.Structure):
     """ffn_call_t of pinfer/kernels/csrc/ffn_sparse.c."""
     _fields_ = [(name, t) for names, t in (
-        (("mode", "act", "gu_fmt", "down_fmt"), ctypes.c_int),
-        (("gu_q", "gu_scale", "gu_min", "gu_qh", "dn_q", "dn_scale", "dn_min", "w1q", "w1s", "w2q", "w2s", "b2"),
-         ctypes.c_void_p),
+        (("mode", "act", "gu_fmt", "down_fmt", "pred_fmt"), ctypes.c_int),
+        (("gu_q", "gu_scale", "gu_min", "gu_qh", "dn_q", "dn_scale", "dn_min", "w1q", "w1s", "w1m", "w2q", "w2s", "w2m",
+          "b2"), ctypes.c_void_p),
         (("r",), ctypes.c_int64), (("thr", "pred_thr"), ctypes.c_float), (("x", "y"), ctypes.c_void_p),
         (("n", "d"), ctypes.c_int64), (("idx", "val", "counts"), ctypes.c_void_p), (("threads",), ctypes.c_int),
     ) for name in names] + [("wd", _Rows)]
@@ -168,18 +169,18 @@ class SparseFFN:
                 raise ValueError(f"rows_from {rows_from} is not a share between 0 and 1")
             self.rows = _Rows(code, q, scale, mn, int(np.ceil(rows_from * n_ff)))
         self.keep = (gate_up, down, predictor, down_rows)
-        self.pred = (None, None, None, None, None, 0)
+        self.pred = (FORMAT_CODES["q8"], *[None] * 7, 0)
         if predictor is not None:
-            w1, w2, b2 = predictor
+            (f1, w1), (f2, w2), b2 = predictor
+            if f1 != f2:
+                raise ValueError(f"a predictor's W1 and W2 are in one format; found {f1} and {f2}")
             r = w1["q"].shape[0]
             if r % 32:
                 raise ValueError(f"predictor rank {r} must be a multiple of 32")
-            for w, (rows, k), name in ((w1, (r, d), "w1"), (w2, (n_ff, r), "w2")):
-                for part, (dtype, shape) in S.block_parts("q8", rows, k).items():
-                    _check(w[part], S.DTYPES[dtype], shape, f"predictor {name}.{part}")
+            code, p1 = _parts(PREDICTOR_FORMATS, f1, w1, r, d, "predictor w1")
+            _, p2 = _parts(PREDICTOR_FORMATS, f2, w2, n_ff, r, "predictor w2")
             _check(b2, np.dtype(np.float32), (n_ff,), "predictor b2")
-            self.pred = (w1["q"].ctypes.data, w1["scale"].ctypes.data, w2["q"].ctypes.data,
-                         w2["scale"].ctypes.data, b2.ctypes.data, r)
+            self.pred = (code, *p1, *p2, b2.ctypes.data, r)
         self.idx = np.empty(n_ff, np.int32)
         self.val = np.empty(n_ff, np.float32)
         self.counts = np.zeros(2, np.int64)
@@ -188,8 +189,9 @@ class SparseFFN:
         """Fix the buffers x, y (float32 (d,)) and the rule; returns a zero-argument callable that
         runs the layer and returns (candidates, survivors)."""
         self._check(x, y, mode)
-        call = _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, *self.gu, *self.dn, *self.pred[:5],
-                     self.pred[5], threshold, pred_threshold, x.ctypes.data, y.ctypes.data, self.n_ff, self.d,
+        call = _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, *self.pred[:1], *self.gu, *self.dn,
+                     *self.pred[1:8], self.pred[8], threshold, pred_threshold, x.ctypes.data, y.ctypes.data,
+                     self.n_ff, self.d,
                      self.idx.ctypes.data, self.val.ctypes.data, self.counts.ctypes.data, self.threads, self.rows)
         ref, f, counts = ctypes.byref(call), _lib.pinfer_ffn_call, self.counts
 
@@ -211,8 +213,9 @@ class SparseFFN:
         self._check(x, y, mode, size=nt * self.d)
         idx, val, counts = (np.empty((nt, self.n_ff), np.int32), np.empty((nt, self.n_ff), np.float32),
                             np.zeros((nt, 2), np.int64))
-        call = _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, *self.gu, *self.dn, *self.pred[:5],
-                     self.pred[5], threshold, pred_threshold, x.ctypes.data, y.ctypes.data, self.n_ff, self.d,
+        call = _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, *self.pred[:1], *self.gu, *self.dn,
+                     *self.pred[1:8], self.pred[8], threshold, pred_threshold, x.ctypes.data, y.ctypes.data,
+                     self.n_ff, self.d,
                      idx.ctypes.data, val.ctypes.data, counts.ctypes.data, self.threads, self.rows)
         ref, f = ctypes.byref(call), _lib.pinfer_ffn_batch
 
@@ -235,7 +238,7 @@ class SparseFFN:
     def _check(self, x, y, mode, size=None):
         if mode not in SPARSE_MODES:
             raise ValueError(f"sparse FFN mode {mode!r} is not one of {', '.join(SPARSE_MODES)}")
-        if S.MODES[mode].uses_predictor and self.pred[0] is None:
+        if S.MODES[mode].uses_predictor and self.pred[1] is None:
             raise ValueError(f"mode {mode} needs a predictor")
         for a, name in ((x, "x"), (y, "y")):
             if a.dtype != np.float32 or not a.flags.c_contiguous or a.size != (size or self.d):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pinfer.formats import blocks
 from pinfer.formats import schema as S
 from pinfer.kernels import ACTIVATIONS, FORMAT_CODES, GATE_UP_FORMATS, SPARSE_DOWN
 
@@ -176,13 +177,26 @@ class HotSpec:
         return None
 
 
+def q8_predictor(predictor):
+    """The predictor as the GPU kernels read it: q8. A q4 one (the converter stores q4 where the CPU
+    reads fewer bytes per token at the same recall) is rounded again to q8 from its stored values,
+    each within half a q8 step (1/254 of its group's largest weight) of the scores its thresholds
+    were chosen on; None stays None."""
+    if predictor is None:
+        return None
+    w1, w2, b2 = predictor
+    return (*(w if w[0] == "q8" else ("q8", blocks.quantize("q8", blocks.dequantize(*w))) for w in (w1, w2)), b2)
+
+
 def check_arrays(spec, k, gate_up, down, predictor=None):
     """{device buffer name: host array} of a layer's k hot neurons, each checked against the
     bytes spec.layout(k) gives it: what the planner counts is what is copied."""
     arrays = {f"gu.{part}": a for part, a in gate_up[1].items()}
     arrays.update({f"dn.{part}": a for part, a in down[1].items()})
     if predictor is not None:
-        w1, w2, b2 = predictor
+        (f1, w1), (f2, w2), b2 = predictor
+        if (f1, f2) != ("q8", "q8"):
+            raise ValueError(f"the GPU kernels read q8 predictors, not {f1} and {f2}")
         arrays.update({"w1.q": w1["q"], "w1.scale": w1["scale"], "w2.q": w2["q"], "w2.scale": w2["scale"],
                        "b2": b2})
     arrays["iota"] = np.arange(k, dtype=np.int32)
@@ -292,8 +306,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 class HotFFN:
     """The hot prefix of one layer's FFN on the GPU: the same contract as SparseFFN's bind, split in
     start() (upload x, launch, return at once) and finish(cold) (merge the CPU's partial sum, copy
-    y back). gate_up, down: (fmt, parts) cut to the k hot neurons; predictor: (w1 parts, w2 parts,
-    b2) as SparseFFN takes it, w2 and b2 cut."""
+    y back). gate_up, down: (fmt, parts) cut to the k hot neurons; predictor: ((fmt, w1 parts),
+    (fmt, w2 parts), b2) as SparseFFN takes it, w2 and b2 cut, in q8 on the GPU (q8_predictor)."""
 
     def __init__(self, gpu, spec, k, gate_up, down, predictor=None, act="silu", deterministic=False):
         self.gpu, self.spec, self.k, self.d = gpu, spec, k, spec.d
@@ -304,7 +318,7 @@ class HotFFN:
         self.bytes = total
         at = {name: self.base + off for name, (off, _) in layout.items()}
         self.at = at
-        for name, a in check_arrays(spec, k, gate_up, down, predictor).items():
+        for name, a in check_arrays(spec, k, gate_up, down, q8_predictor(predictor)).items():
             gpu.upload(at[name], a)
         self.gu_fmt, self.dn_fmt = GU_FORMATS[gate_up[0]], DOWN_FORMATS[down[0]]
         self.host_x = gpu.pinned(self.d, np.float32)

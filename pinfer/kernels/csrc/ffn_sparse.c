@@ -18,7 +18,8 @@
  *            FMT_Q8   q u8 (n, d) (q + 128), scale f16 (n, d/G) (groups along d)
  *            FMT_F16  w f16 (n, d); FMT_F32  w f32 (n, d)
  *   predictor  w1 q8: q u8 (r, d), scale f16 (r, d/G); w2 q8: q u8 (n, r), scale f16 (n, r/G);
- *              b2 f32 (n); q8 stores q + 128; scores = w2 relu(w1 x) + b2
+ *              or both q4, as gate/up's rows: q u8 (r, d/2) and (n, r/2), scale and min (or none)
+ *              f16 (r, d/G) and (n, r/G); b2 f32 (n); q8 stores q + 128; scores = w2 relu(w1 x) + b2
  *   idx      i32 (n) scratch: candidates, then survivors; val f32 (n) scratch: their h
  *
  * INT4 gate/up rows meet int8 activations (x quantized per group of 32, as llama.cpp's Q8_0):
@@ -911,16 +912,16 @@ typedef struct {
  *             MODE_GIVEN: the counts[0] candidates the caller put in idx (ascending), |h| >= thr
  *   counts    out: [candidates, survivors] */
 typedef struct {
-    int mode, act, gu_fmt, down_fmt;
+    int mode, act, gu_fmt, down_fmt, pred_fmt;  /* pred_fmt: FMT_Q8 or FMT_Q4 (w1m, w2m its mins, or NULL) */
     const void *gu_q;
     const uint16_t *gu_scale, *gu_min;
     const uint8_t *gu_qh;
     const void *dn_q;
     const uint16_t *dn_scale, *dn_min;
     const uint8_t *w1q;
-    const uint16_t *w1s;
+    const uint16_t *w1s, *w1m;
     const uint8_t *w2q;
-    const uint16_t *w2s;
+    const uint16_t *w2s, *w2m;
     const float *b2;
     int64_t r;
     float thr, pred_thr;
@@ -954,13 +955,19 @@ typedef struct {
     _Atomic int failed;     /* a range found memory short */
 } work_t;
 
-/* The predictor (docs/design.md section 2): z = relu(W1 x), score = W2 z + b2, its q8 rows against x and
-   then z quantized to int8 per group of 32 in element order, as the head's q8 rows meet theirs
-   (VNNI / AVX2 dots, decode.c). The float dots this replaced read the 7 MB of a LLaMA-7B layer's
-   rank-448 predictor at 3 GB/s on one thread, more time than the candidates' rows themselves
-   (perf over benchmarks/synthetic_decode.py's trained ReLU model). The rounding of x and z moves a
-   score by a few tenths of a percent of its spread: the thresholds, chosen on float scores at
-   conversion, keep their recall but for neurons that close to them. */
+/* The predictor (docs/design.md section 2): z = relu(W1 x), score = W2 z + b2.
+ * q8 (pred_fmt FMT_Q8): its rows against x and then z quantized to int8 per group of 32 in element
+ * order, as the head's q8 rows meet theirs (VNNI / AVX2 dots, decode.c). The float dots this
+ * replaced read the 7 MB of a LLaMA-7B layer's rank-448 predictor at 3 GB/s on one thread, more
+ * time than the candidates' rows themselves (perf over benchmarks/synthetic_decode.py's trained
+ * ReLU model).
+ * q4 (FMT_Q4, the gate/up rows' layout, with mins or without): x and z quantized in the nibbles'
+ * chunk order and the rows read as decode.c's linear layers read theirs, short rows (W2's, r
+ * columns) four at a time in whole blocks of four, so no score depends on the threads. The
+ * converter picks q4 where it reads fewer bytes per token at the same recall (calibrate.py).
+ * The rounding of x and z moves a score by a few tenths of a percent of its spread: the thresholds,
+ * chosen at conversion on the scores of the stored (rounded) weights in float, keep their recall but
+ * for neurons that close to them. */
 static void pred_hidden(void *p, int64_t k0, int64_t k1) {
     work_t *w = p;
     const ffn_call_t *a = w->a;
@@ -986,9 +993,50 @@ static void pred_scores(void *p, int64_t j0, int64_t j1) {
         }
 }
 
+/* Rows 4 * b0 .. 4 * b1 (clipped to `rows`) of a q4 matrix (rows, k) against each of nt tokens'
+   x (qx[t]): out[t * ostride + row]. Short rows four at a time, the rest (and a matrix's last rows
+   past its whole blocks of four) alone; each block meets every token while in cache. */
+static void q4_rows(const uint8_t *q, const uint16_t *scale, const uint16_t *min, int64_t rows, int64_t k,
+                    const qx_t *qx, int64_t nt, float *out, int64_t ostride, int64_t b0, int64_t b1) {
+    const int64_t stride = k / 2, ng = k / G, r1 = 4 * b1 < rows ? 4 * b1 : rows;
+    const int four = rows_by_four(k);
+    const int64_t ahead = rows_ahead(stride);
+    for (int64_t i = 4 * b0, R = 1; i < r1; i += R) {
+        R = r1 - i >= 4 && four ? 4 : 1;
+        rows4_t w;
+        for (int j = 0; j < R; j++) {
+            w.q[j] = q + (i + j) * stride;
+            w.qh[j] = NULL;
+            w.scale[j] = scale + (i + j) * ng;
+            w.min[j] = min ? min + (i + j) * ng : NULL;
+        }
+        for (int64_t t = 0; t < nt; t++) {
+            const uint8_t *next = t == 0 && ahead && i + R + ahead <= rows ? w.q[0] + ahead * stride : NULL;
+            dot_rows((int)R, &w, &qx[t], k, out + t * ostride + i, next, stride);
+        }
+    }
+}
+
+static void pred_hidden_q4(void *p, int64_t b0, int64_t b1) {
+    work_t *w = p;
+    const ffn_call_t *a = w->a;
+    q4_rows(a->w1q, a->w1s, a->w1m, a->r, a->d, w->px, w->nt, w->z, a->r, b0, b1);
+}
+
+static void pred_scores_q4(void *p, int64_t b0, int64_t b1) {
+    work_t *w = p;
+    const ffn_call_t *a = w->a;
+    const int64_t n = a->n, j1 = 4 * b1 < n ? 4 * b1 : n;
+    q4_rows(a->w2q, a->w2s, a->w2m, n, a->r, w->pz, w->nt, w->score, n, b0, b1);
+    for (int64_t t = 0; t < w->nt; t++)
+        for (int64_t j = 4 * b0; j < j1; j++) w->score[t * n + j] += a->b2[j];
+}
+
 /* Every token's scores into w->score (nt, n); returns -1 when memory is short. */
 static int predict(const ffn_call_t *a, work_t *w, int threads) {
     const int64_t d = a->d, r = a->r, nt = w->nt;
+    const int q4 = a->pred_fmt == FMT_Q4;
+    void (*const quantize)(const float *, int64_t, qx_t *) = q4 ? quantize_x : pinfer_quantize_natural;
     const int64_t xb = (pinfer_qx_bytes(d) + 63) / 64 * 64, zb = (pinfer_qx_bytes(r) + 63) / 64 * 64;
     uint8_t *mem = malloc((size_t)(nt * (xb + zb)));
     qx_t *q = malloc((size_t)(2 * nt) * sizeof(qx_t));
@@ -1002,11 +1050,17 @@ static int predict(const ffn_call_t *a, work_t *w, int threads) {
     for (int64_t t = 0; t < nt; t++) {
         w->px[t] = pinfer_qx_at(mem + t * xb, d);
         w->pz[t] = pinfer_qx_at(mem + nt * xb + t * zb, r);
-        pinfer_quantize_natural(a->x + t * d, d, &w->px[t]);
+        quantize(a->x + t * d, d, &w->px[t]);
     }
-    pinfer_parallel(r * d * nt >= PARALLEL_WORK ? threads : 1, r, pred_hidden, w);
-    for (int64_t t = 0; t < nt; t++) pinfer_quantize_natural(w->z + t * r, r, &w->pz[t]);
-    pinfer_parallel(a->n * r * nt >= PARALLEL_WORK ? threads : 1, a->n, pred_scores, w);
+    if (q4) {
+        pinfer_parallel(r * d * nt >= PARALLEL_WORK ? threads : 1, (r + 3) / 4, pred_hidden_q4, w);
+        for (int64_t k = 0; k < nt * r; k++) w->z[k] = w->z[k] > 0.0f ? w->z[k] : 0.0f;
+    } else {
+        pinfer_parallel(r * d * nt >= PARALLEL_WORK ? threads : 1, r, pred_hidden, w);
+    }
+    for (int64_t t = 0; t < nt; t++) quantize(w->z + t * r, r, &w->pz[t]);
+    if (q4) pinfer_parallel(a->n * r * nt >= PARALLEL_WORK ? threads : 1, (a->n + 3) / 4, pred_scores_q4, w);
+    else pinfer_parallel(a->n * r * nt >= PARALLEL_WORK ? threads : 1, a->n, pred_scores, w);
     free(mem);
     free(q);
     return 0;
@@ -1236,7 +1290,7 @@ static int ffn_token(const ffn_call_t *a, int threads) {
 
 int pinfer_ffn_call(const ffn_call_t *a) {
     if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
-    if (a->d % G || a->n % G || a->d > MAX_D || a->r % G) return -1;
+    if (a->d % G || a->n % G || a->d > MAX_D || a->r % G || (a->pred_fmt != FMT_Q8 && a->pred_fmt != FMT_Q4)) return -1;
     if (isa < 0) pinfer_sparse_isa(-1);
     const int threads = pinfer_pool_enter(a->threads);
     const int rc = ffn_token(a, threads);
@@ -1418,7 +1472,9 @@ done:
 
 int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
     if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
-    if (a->d % G || a->n % G || a->d > MAX_D || a->r % G || nt < 1 || nt > MAX_BATCH) return -1;
+    if (a->d % G || a->n % G || a->d > MAX_D || a->r % G || nt < 1 || nt > MAX_BATCH ||
+        (a->pred_fmt != FMT_Q8 && a->pred_fmt != FMT_Q4))
+        return -1;
     if (isa < 0) pinfer_sparse_isa(-1);
     const int threads = pinfer_pool_enter(a->threads);
     const int rc = ffn_batch(a, nt, threads);
