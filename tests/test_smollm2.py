@@ -31,21 +31,19 @@ def session(tmp_path_factory):
     return Session(out, RuntimeOptions(threads=1, n_ctx=512))
 
 
-def test_teacher_forced_top1_agreement_with_reference(session):
-    """Top-1 agreement with the exact float reference over 2,000 tokens of the wikitext test text
-    (4 windows of 500), which run as prompts through ONNX Runtime's graphs. int8 activations
-    (MatMulNBits accuracy level 4, as llama.cpp quantizes them) flip near-ties: on a 2-core EPYC
-    with AVX-512 VNNI pinfer measured 96.5% and llama.cpp 96.3% against the same reference; on an
-    AVX2-only one (Zen 2) ONNX Runtime 1.32's AVX2 int8 path gave 95.5% (1910 of 2000), while
-    llama.cpp and pinfer's own decode kernels, fed the same windows token by token, gave 96.35%
-    each (1927). So the bound is 95%, not the 98% an exact-activation path would reach."""
+@pytest.fixture(scope="module")
+def windows(session):
+    """4 windows of 500 tokens of the wikitext test text and the exact float reference's logits of
+    each (tests/reference.py)."""
     ids = session.tokenizer.encode(WIKI.read_text(encoding="utf-8")[:40000], parse_special=False)
+    wins = [ids[w * 500:(w + 1) * 500] for w in range(4)]
+    return [(window, reference_logits(smollm2_gguf(), window)) for window in wins]
+
+
+def _agreement(windows, logits_of):
     agree, total, worst, sq, n = 0, 0, 0.0, 0.0, 0
-    for w in range(4):
-        window = ids[w * 500:(w + 1) * 500]
-        session.model.reset()
-        ours = session.model.forward(window, logits_from=0)
-        ref = reference_logits(smollm2_gguf(), window)
+    for window, ref in windows:
+        ours = logits_of(window)
         agree += int((ours.argmax(1) == ref.argmax(1)).sum())
         total += len(window)
         worst = max(worst, float(np.abs(ours - ref).max()))
@@ -53,7 +51,38 @@ def test_teacher_forced_top1_agreement_with_reference(session):
     rms = (sq / n) ** 0.5
     print(f"top-1 agreement {agree}/{total} = {agree / total:.4f}; max |logit difference| {worst:.3f}, "
           f"RMS {rms:.3f}")
-    assert agree / total >= 0.95
+    return agree / total, rms
+
+
+# int8 activations (as llama.cpp quantizes them: per group of 32) flip near-ties of the exact
+# model's top two: llama.cpp itself agrees 96.3% (2-core EPYC, AVX-512) and 96.35% (AVX2-only
+# Zen 2, 1927 of 2000) with the reference on these windows. The flip count, about 70 of 2000, varies
+# with the rounding's details by about its square root (0.4%): the bounds sit two of those below
+# each path's measured agreement. The exact-activation path would reach 98%.
+
+def test_teacher_forced_top1_agreement_with_reference(session, windows):
+    """Each window as one prompt, through ONNX Runtime's graphs (MatMulNBits, accuracy level 4):
+    96.5% on the AVX-512 EPYC; 95.5% (1910 of 2000) with ONNX Runtime 1.32's AVX2 int8 path on the
+    AVX2-only one. Bound 95%."""
+    def prompt(window):
+        session.model.reset()
+        return session.model.forward(window, logits_from=0)
+    agree, rms = _agreement(windows, prompt)
+    assert agree >= 0.95
+    assert rms < 0.5
+
+
+def test_decode_kernels_top1_agreement_with_reference(session, windows):
+    """The same windows token by token, through pinfer's decode path (the C attention and head, the
+    FFN as autotune chose): 96.35% (1927 of 2000) on the AVX2-only EPYC, as llama.cpp. Bound 95.5%."""
+    model = session.model
+
+    def decode(window):
+        model.reset()
+        return np.concatenate([model.forward([t]) for t in window])
+    assert all(s is not None for s in model.native) and model.native_head is not None    # the C kernels run
+    agree, rms = _agreement(windows, decode)
+    assert agree >= 0.955
     assert rms < 0.5
 
 

@@ -5,7 +5,7 @@ measured on each operating point's own held-out stream (calibrate.LayerCalibrati
   gate_up  two rows per neuron read          (row formats: q4, q8, f16, f32)
   down_t   one row per surviving neuron; the "r" formats also read, per 32-neuron group with a
            survivor, the group's scale (and min) row
-  predictor  its q8 weights, for the predicted and relu modes
+  predictor  its q8 or q4 weights, for the predicted and relu modes
 """
 
 from dataclasses import dataclass

@@ -943,7 +943,7 @@ typedef struct {
     int64_t nt;             /* tokens: 1 for a single call */
     const qx_t *qx;         /* per token: x quantized for the gate/up rows, or h for the row dots */
     float *z, *score;       /* predictor hidden (nt, r) and scores (nt, n) */
-    qx_t *px, *pz;          /* per token: x and z quantized for the predictor's q8 rows */
+    qx_t *px, *pz;          /* per token: x and z quantized for the predictor's rows */
     int64_t m, s;           /* a single call's candidates and survivors */
     const int32_t *u;       /* a batch's union of candidates (mu of them) and each one's tokens */
     const uint64_t *who;
