@@ -16,7 +16,7 @@ Operating points (rules of formats/schema.py's sparsity modes, applied per token
 import ctypes
 import gc
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -362,14 +362,13 @@ def _fit_predictor(lc, x_train, mask_train, heldout, ffn_bytes, seed, ranks):
     half = len(fit[0])
     best = None
     for r in ranks:
-        trained = P.train(x_train, mask_train, r, seed=seed)
+        weights = P.fit(x_train, mask_train, r, seed=seed)
         for fmt in P.FORMATS:
-            pred = trained.as_format(fmt)
+            pred = P.Predictor.stored(*weights, fmt)
             at99, s = _share_at_99(pred, heldout)
             lc.ranks_tried[f"{r} {fmt}"] = at99
             cost = pred.nbytes() + at99 * ffn_bytes
             if best is None or cost < best[0]:
                 best = (cost, pred, s)
-    _, pred, s = best
-    lc.predictor = replace(pred, trained=None)     # the float copy is not kept for every layer
+    _, lc.predictor, s = best
     lc.pred_thresholds = P.calibrate((s[:half], *fit), (s[half:], *check))

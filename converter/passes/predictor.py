@@ -28,23 +28,17 @@ class Predictor:
     parts1: dict      # fmt parts of w1
     parts2: dict      # fmt parts of w2
     fmt: str = "q8"
-    trained: tuple = None   # the float (w1, w2) as trained, which as_format() rounds; None: w1, w2
 
     @classmethod
     def stored(cls, w1, w2, b2, fmt="q8"):
-        """The predictor of float weights as a file stores them in fmt (FORMATS)."""
+        """The predictor of float weights (fit()'s) as a file stores them in fmt (FORMATS)."""
         p1, p2 = blocks.quantize(fmt, w1), blocks.quantize(fmt, w2)
-        return cls(blocks.dequantize(fmt, p1), blocks.dequantize(fmt, p2), b2, p1, p2, fmt, (w1, w2))
-
-    def as_format(self, fmt):
-        """The same trained weights stored in fmt."""
-        return self if fmt == self.fmt else Predictor.stored(*(self.trained or (self.w1, self.w2)), self.b2, fmt)
+        return cls(blocks.dequantize(fmt, p1), blocks.dequantize(fmt, p2), b2, p1, p2, fmt)
 
     def permuted(self, perm):
         """The predictor with its neurons (W2's rows, b2) in the order perm."""
-        trained = None if self.trained is None else (self.trained[0], self.trained[1][perm])
         parts2 = {k: v[perm] for k, v in self.parts2.items()}
-        return Predictor(self.w1, self.w2[perm], self.b2[perm], self.parts1, parts2, self.fmt, trained)
+        return Predictor(self.w1, self.w2[perm], self.b2[perm], self.parts1, parts2, self.fmt)
 
     @property
     def rank(self):
@@ -66,8 +60,13 @@ class Predictor:
 
 
 def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
+    """fit()'s predictor stored in q8."""
+    return Predictor.stored(*fit(x, mask, rank, seed, epochs, batch, lr))
+
+
+def fit(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
     """x (N, d) float32, mask (N, n_ff) bool, torch tensors on one device (the training runs there)
-    -> Predictor, weights rounded through q8 (as_format gives the other formats). The initial
+    -> the float32 arrays (w1, w2, b2) (Predictor.stored rounds them to a format). The initial
     weights and the batch order come from a CPU generator, the same on every device."""
     g = torch.Generator().manual_seed(seed)
     dev = x.device
@@ -112,7 +111,7 @@ def train(x, mask, rank, seed=0, epochs=5, batch=2048, lr=3e-3):
             step += 1
     w1 = fc1.weight.detach().cpu().numpy().astype(np.float32)
     w2 = fc2.weight.detach().cpu().numpy().astype(np.float32)
-    return Predictor.stored(w1, w2, fc2.bias.detach().cpu().numpy().astype(np.float32))
+    return w1, w2, fc2.bias.detach().cpu().numpy().astype(np.float32)
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ class SparseFFN:
                 raise ValueError(f"rows_from {rows_from} is not a share between 0 and 1")
             self.rows = _Rows(code, q, scale, mn, int(np.ceil(rows_from * n_ff)))
         self.keep = (gate_up, down, predictor, down_rows)
-        self.pred = (FORMAT_CODES["q8"], *[None] * 7, 0)
+        self.pred_code, self.pred = FORMAT_CODES["q8"], (*[None] * 7, 0)   # (w1 q, scale, min, w2 ..., b2, r)
         if predictor is not None:
             (f1, w1), (f2, w2), b2 = predictor
             if f1 != f2:
@@ -177,10 +177,10 @@ class SparseFFN:
             r = w1["q"].shape[0]
             if r % 32:
                 raise ValueError(f"predictor rank {r} must be a multiple of 32")
-            code, p1 = _parts(PREDICTOR_FORMATS, f1, w1, r, d, "predictor w1")
+            self.pred_code, p1 = _parts(PREDICTOR_FORMATS, f1, w1, r, d, "predictor w1")
             _, p2 = _parts(PREDICTOR_FORMATS, f2, w2, n_ff, r, "predictor w2")
             _check(b2, np.dtype(np.float32), (n_ff,), "predictor b2")
-            self.pred = (code, *p1, *p2, b2.ctypes.data, r)
+            self.pred = (*p1, *p2, b2.ctypes.data, r)
         self.idx = np.empty(n_ff, np.int32)
         self.val = np.empty(n_ff, np.float32)
         self.counts = np.zeros(2, np.int64)
@@ -189,10 +189,7 @@ class SparseFFN:
         """Fix the buffers x, y (float32 (d,)) and the rule; returns a zero-argument callable that
         runs the layer and returns (candidates, survivors)."""
         self._check(x, y, mode)
-        call = _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, *self.pred[:1], *self.gu, *self.dn,
-                     *self.pred[1:8], self.pred[8], threshold, pred_threshold, x.ctypes.data, y.ctypes.data,
-                     self.n_ff, self.d,
-                     self.idx.ctypes.data, self.val.ctypes.data, self.counts.ctypes.data, self.threads, self.rows)
+        call = self._call(mode, threshold, pred_threshold, x, y, self.idx, self.val, self.counts)
         ref, f, counts = ctypes.byref(call), _lib.pinfer_ffn_call, self.counts
 
         def run():
@@ -213,10 +210,7 @@ class SparseFFN:
         self._check(x, y, mode, size=nt * self.d)
         idx, val, counts = (np.empty((nt, self.n_ff), np.int32), np.empty((nt, self.n_ff), np.float32),
                             np.zeros((nt, 2), np.int64))
-        call = _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, *self.pred[:1], *self.gu, *self.dn,
-                     *self.pred[1:8], self.pred[8], threshold, pred_threshold, x.ctypes.data, y.ctypes.data,
-                     self.n_ff, self.d,
-                     idx.ctypes.data, val.ctypes.data, counts.ctypes.data, self.threads, self.rows)
+        call = self._call(mode, threshold, pred_threshold, x, y, idx, val, counts)
         ref, f = ctypes.byref(call), _lib.pinfer_ffn_batch
 
         def run():
@@ -235,10 +229,16 @@ class SparseFFN:
         run.keep = (call, x, y, self)
         return run
 
+    def _call(self, mode, threshold, pred_threshold, x, y, idx, val, counts):
+        """The ffn_call_t of a bound call (single or batch) over these buffers."""
+        return _Call(SPARSE_MODES[mode], self.act, self.gu_code, self.dn_code, self.pred_code, *self.gu, *self.dn,
+                     *self.pred, threshold, pred_threshold, x.ctypes.data, y.ctypes.data, self.n_ff, self.d,
+                     idx.ctypes.data, val.ctypes.data, counts.ctypes.data, self.threads, self.rows)
+
     def _check(self, x, y, mode, size=None):
         if mode not in SPARSE_MODES:
             raise ValueError(f"sparse FFN mode {mode!r} is not one of {', '.join(SPARSE_MODES)}")
-        if S.MODES[mode].uses_predictor and self.pred[1] is None:
+        if S.MODES[mode].uses_predictor and self.pred[0] is None:
             raise ValueError(f"mode {mode} needs a predictor")
         for a, name in ((x, "x"), (y, "y")):
             if a.dtype != np.float32 or not a.flags.c_contiguous or a.size != (size or self.d):

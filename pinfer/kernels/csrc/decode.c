@@ -37,14 +37,7 @@
 
 enum { FMT_Q8 = 0, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5, FMT_Q5 = 6 };  /* as in ffn_sparse.c */
 
-typedef struct {
-    int fmt;
-    const void *q;                  /* q bytes (q4, q5, q8), or the weights (f16, f32) */
-    const uint16_t *scale, *min;    /* f16 (rows, k/G); min: q4/q5 only, or NULL */
-    const uint8_t *qh;              /* q5's fifth bits (rows, k/8), else NULL */
-    const float *bias;              /* (rows), or NULL */
-    int64_t rows, k;
-} linear_t;
+/* linear_t: dots.h */
 
 typedef struct {
     linear_t qkv, out;
@@ -211,23 +204,10 @@ static void lin_rows(void *p, int64_t b0, int64_t b1) {
     const lin_t *l = p;
     const linear_t *w = l->w;
     const int64_t k = w->k, ng = k / G, r0 = 4 * b0, r1 = 4 * b1 < w->rows ? 4 * b1 : w->rows;
-    const int blocks = w->fmt == FMT_Q4 || w->fmt == FMT_Q5;
-    const int64_t stride = k / 2;    /* q bytes a row */
     int64_t r = r0;
-    /* short rows four at a time: they share the loads of x; the rows ahead prefetched (dots.h) */
-    const int four = rows_by_four(k);
-    const int64_t ahead = rows_ahead(stride);
-    for (int R = 1; blocks && r < r1; r += R) {
-        R = r1 - r >= 4 && four ? 4 : 1;
-        rows4_t rows;
-        for (int i = 0; i < R; i++) {
-            rows.q[i] = (const uint8_t *)w->q + (r + i) * stride;
-            rows.qh[i] = w->qh ? w->qh + (r + i) * (k / 8) : NULL;
-            rows.scale[i] = w->scale + (r + i) * ng;
-            rows.min[i] = w->min ? w->min + (r + i) * ng : NULL;
-        }
-        const uint8_t *next = ahead && r + R + ahead <= w->rows ? rows.q[0] + ahead * stride : NULL;
-        pinfer_dot_rows_ahead(R, &rows, l->qx, k, l->y + r, next, stride);
+    if (w->fmt == FMT_Q4 || w->fmt == FMT_Q5) {
+        pinfer_q4_rows(w, l->qx, 1, l->y, 0, b0, b1);
+        r = r1;
     }
     const int64_t ahead8 = rows_ahead(k);
     for (; r < r1; r++) {

@@ -147,6 +147,22 @@ typedef struct {
 /* next: R rows to prefetch meanwhile, nstride bytes apart (NULL: none). */
 void pinfer_dot_rows_ahead(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out, const uint8_t *next,
                            int64_t nstride);
+/* A matrix of `rows` rows of k weights (decode.c's linear layers, the FFN predictor's W1 and W2). */
+typedef struct {
+    int fmt;
+    const void *q;                  /* q bytes (q4, q5, q8), or the weights (f16, f32) */
+    const uint16_t *scale, *min;    /* f16 (rows, k/G); min: q4/q5 only, or NULL */
+    const uint8_t *qh;              /* q5's fifth bits (rows, k/8), else NULL */
+    const float *bias;              /* (rows), or NULL */
+    int64_t rows, k;
+} linear_t;
+/* Rows 4 * b0 .. 4 * b1 (the last range ends at the matrix's end) of a q4 or q5 matrix against
+   each of nt tokens' x quantized in chunk order (qx[t]): out[t * ostride + row], no bias. Short rows
+   (rows_by_four) four at a time and the rows past the matrix's last whole block of four alone, so
+   ranges of whole blocks give the same bits on any number of threads; each block meets every
+   token while in cache; the rows ahead prefetched. */
+void pinfer_q4_rows(const linear_t *w, const qx_t *qx, int64_t nt, float *out, int64_t ostride, int64_t b0,
+                    int64_t b1);
 float pinfer_dot_f16(const uint16_t *w, const float *x, int64_t d);
 /* q8 rows (u8 q + 128, f16 scale per group) against x quantized per group of 32 in element order
    (decode.c): the head's and attention's q8 rows and the FFN predictor's. */

@@ -943,7 +943,8 @@ typedef struct {
     int64_t nt;             /* tokens: 1 for a single call */
     const qx_t *qx;         /* per token: x quantized for the gate/up rows, or h for the row dots */
     float *z, *score;       /* predictor hidden (nt, r) and scores (nt, n) */
-    qx_t *px, *pz;          /* per token: x and z quantized for the predictor's rows */
+    const qx_t *px;         /* per token: x quantized for the predictor's rows (w->qx where they agree) */
+    qx_t *pz;               /* and its hidden z */
     int64_t m, s;           /* a single call's candidates and survivors */
     const int32_t *u;       /* a batch's union of candidates (mu of them) and each one's tokens */
     const uint64_t *who;
@@ -976,8 +977,7 @@ static void pred_hidden(void *p, int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; k++)
         for (int64_t t = 0; t < w->nt; t++) {
             const uint8_t *next = t == 0 && k + ahead < r ? a->w1q + (k + ahead) * d : NULL;
-            const float v = pinfer_dot_q8(a->w1q + k * d, a->w1s + k * (d / G), &w->px[t], d, isa, next);
-            w->z[t * r + k] = v > 0.0f ? v : 0.0f;
+            w->z[t * r + k] = pinfer_dot_q8(a->w1q + k * d, a->w1s + k * (d / G), &w->px[t], d, isa, next);
         }
 }
 
@@ -993,51 +993,32 @@ static void pred_scores(void *p, int64_t j0, int64_t j1) {
         }
 }
 
-/* Rows 4 * b0 .. 4 * b1 (clipped to `rows`) of a q4 matrix (rows, k) against each of nt tokens'
-   x (qx[t]): out[t * ostride + row]. Short rows four at a time, the rest (and a matrix's last rows
-   past its whole blocks of four) alone; each block meets every token while in cache. */
-static void q4_rows(const uint8_t *q, const uint16_t *scale, const uint16_t *min, int64_t rows, int64_t k,
-                    const qx_t *qx, int64_t nt, float *out, int64_t ostride, int64_t b0, int64_t b1) {
-    const int64_t stride = k / 2, ng = k / G, r1 = 4 * b1 < rows ? 4 * b1 : rows;
-    const int four = rows_by_four(k);
-    const int64_t ahead = rows_ahead(stride);
-    for (int64_t i = 4 * b0, R = 1; i < r1; i += R) {
-        R = r1 - i >= 4 && four ? 4 : 1;
-        rows4_t w;
-        for (int j = 0; j < R; j++) {
-            w.q[j] = q + (i + j) * stride;
-            w.qh[j] = NULL;
-            w.scale[j] = scale + (i + j) * ng;
-            w.min[j] = min ? min + (i + j) * ng : NULL;
-        }
-        for (int64_t t = 0; t < nt; t++) {
-            const uint8_t *next = t == 0 && ahead && i + R + ahead <= rows ? w.q[0] + ahead * stride : NULL;
-            dot_rows((int)R, &w, &qx[t], k, out + t * ostride + i, next, stride);
-        }
-    }
-}
-
 static void pred_hidden_q4(void *p, int64_t b0, int64_t b1) {
     work_t *w = p;
     const ffn_call_t *a = w->a;
-    q4_rows(a->w1q, a->w1s, a->w1m, a->r, a->d, w->px, w->nt, w->z, a->r, b0, b1);
+    const linear_t w1 = {FMT_Q4, a->w1q, a->w1s, a->w1m, NULL, NULL, a->r, a->d};
+    pinfer_q4_rows(&w1, w->px, w->nt, w->z, a->r, b0, b1);
 }
 
 static void pred_scores_q4(void *p, int64_t b0, int64_t b1) {
     work_t *w = p;
     const ffn_call_t *a = w->a;
     const int64_t n = a->n, j1 = 4 * b1 < n ? 4 * b1 : n;
-    q4_rows(a->w2q, a->w2s, a->w2m, n, a->r, w->pz, w->nt, w->score, n, b0, b1);
+    const linear_t w2 = {FMT_Q4, a->w2q, a->w2s, a->w2m, NULL, NULL, n, a->r};
+    pinfer_q4_rows(&w2, w->pz, w->nt, w->score, n, b0, b1);
     for (int64_t t = 0; t < w->nt; t++)
         for (int64_t j = 4 * b0; j < j1; j++) w->score[t * n + j] += a->b2[j];
 }
 
-/* Every token's scores into w->score (nt, n); returns -1 when memory is short. */
+/* Every token's scores into w->score (nt, n); returns -1 when memory is short. A q4 predictor
+   meets x quantized in chunk order, which the gate/up rows' w->qx already holds when they are q4 or
+   q5; q8 rows meet x in element order. */
 static int predict(const ffn_call_t *a, work_t *w, int threads) {
-    const int64_t d = a->d, r = a->r, nt = w->nt;
+    const int64_t d = a->d, r = a->r, n = a->n, nt = w->nt;
     const int q4 = a->pred_fmt == FMT_Q4;
+    const int have_x = q4 && (a->gu_fmt == FMT_Q4 || a->gu_fmt == FMT_Q5);
     void (*const quantize)(const float *, int64_t, qx_t *) = q4 ? quantize_x : pinfer_quantize_natural;
-    const int64_t xb = (pinfer_qx_bytes(d) + 63) / 64 * 64, zb = (pinfer_qx_bytes(r) + 63) / 64 * 64;
+    const int64_t xb = have_x ? 0 : (pinfer_qx_bytes(d) + 63) / 64 * 64, zb = (pinfer_qx_bytes(r) + 63) / 64 * 64;
     uint8_t *mem = malloc((size_t)(nt * (xb + zb)));
     qx_t *q = malloc((size_t)(2 * nt) * sizeof(qx_t));
     if (!mem || !q) {
@@ -1045,22 +1026,20 @@ static int predict(const ffn_call_t *a, work_t *w, int threads) {
         free(q);
         return -1;
     }
-    w->px = q;
+    w->px = have_x ? w->qx : q;
     w->pz = q + nt;
     for (int64_t t = 0; t < nt; t++) {
-        w->px[t] = pinfer_qx_at(mem + t * xb, d);
         w->pz[t] = pinfer_qx_at(mem + nt * xb + t * zb, r);
-        quantize(a->x + t * d, d, &w->px[t]);
+        if (have_x) continue;
+        q[t] = pinfer_qx_at(mem + t * xb, d);
+        quantize(a->x + t * d, d, &q[t]);
     }
-    if (q4) {
-        pinfer_parallel(r * d * nt >= PARALLEL_WORK ? threads : 1, (r + 3) / 4, pred_hidden_q4, w);
-        for (int64_t k = 0; k < nt * r; k++) w->z[k] = w->z[k] > 0.0f ? w->z[k] : 0.0f;
-    } else {
-        pinfer_parallel(r * d * nt >= PARALLEL_WORK ? threads : 1, r, pred_hidden, w);
-    }
+    pinfer_parallel(r * d * nt >= PARALLEL_WORK ? threads : 1, q4 ? (r + 3) / 4 : r, q4 ? pred_hidden_q4 : pred_hidden,
+                    w);
+    for (int64_t k = 0; k < nt * r; k++) w->z[k] = w->z[k] > 0.0f ? w->z[k] : 0.0f;
     for (int64_t t = 0; t < nt; t++) quantize(w->z + t * r, r, &w->pz[t]);
-    if (q4) pinfer_parallel(a->n * r * nt >= PARALLEL_WORK ? threads : 1, (a->n + 3) / 4, pred_scores_q4, w);
-    else pinfer_parallel(a->n * r * nt >= PARALLEL_WORK ? threads : 1, a->n, pred_scores, w);
+    pinfer_parallel(n * r * nt >= PARALLEL_WORK ? threads : 1, q4 ? (n + 3) / 4 : n, q4 ? pred_scores_q4 : pred_scores,
+                    w);
     free(mem);
     free(q);
     return 0;
@@ -1288,9 +1267,14 @@ static int ffn_token(const ffn_call_t *a, int threads) {
     return rc;
 }
 
+/* Whether the kernels take a call's sizes and formats. */
+static int call_ok(const ffn_call_t *a) {
+    return !(a->wd.q && a->wd.fmt != FMT_Q4) && !(a->d % G || a->n % G || a->d > MAX_D || a->r % G) &&
+           (a->pred_fmt == FMT_Q8 || a->pred_fmt == FMT_Q4);
+}
+
 int pinfer_ffn_call(const ffn_call_t *a) {
-    if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
-    if (a->d % G || a->n % G || a->d > MAX_D || a->r % G || (a->pred_fmt != FMT_Q8 && a->pred_fmt != FMT_Q4)) return -1;
+    if (!call_ok(a)) return -1;
     if (isa < 0) pinfer_sparse_isa(-1);
     const int threads = pinfer_pool_enter(a->threads);
     const int rc = ffn_token(a, threads);
@@ -1471,10 +1455,7 @@ done:
 }
 
 int pinfer_ffn_batch(const ffn_call_t *a, int64_t nt) {
-    if (a->wd.q && a->wd.fmt != FMT_Q4) return -1;
-    if (a->d % G || a->n % G || a->d > MAX_D || a->r % G || nt < 1 || nt > MAX_BATCH ||
-        (a->pred_fmt != FMT_Q8 && a->pred_fmt != FMT_Q4))
-        return -1;
+    if (!call_ok(a) || nt < 1 || nt > MAX_BATCH) return -1;
     if (isa < 0) pinfer_sparse_isa(-1);
     const int threads = pinfer_pool_enter(a->threads);
     const int rc = ffn_batch(a, nt, threads);
@@ -1489,6 +1470,27 @@ void pinfer_quantize_x(const float *x, int64_t d, qx_t *o) { quantize_x(x, d, o)
 void pinfer_dot_rows_ahead(int R, const rows4_t *w, const qx_t *x, int64_t d, float *out, const uint8_t *next,
                            int64_t nstride) {
     dot_rows(R, w, x, d, out, next, nstride);
+}
+
+void pinfer_q4_rows(const linear_t *w, const qx_t *qx, int64_t nt, float *out, int64_t ostride, int64_t b0,
+                    int64_t b1) {
+    const int64_t k = w->k, stride = k / 2, ng = k / G, r1 = 4 * b1 < w->rows ? 4 * b1 : w->rows;
+    const int four = rows_by_four(k);         /* short rows share the loads of x */
+    const int64_t ahead = rows_ahead(stride);
+    for (int64_t i = 4 * b0, R = 1; i < r1; i += R) {
+        R = r1 - i >= 4 && four ? 4 : 1;
+        rows4_t rows;
+        for (int j = 0; j < R; j++) {
+            rows.q[j] = (const uint8_t *)w->q + (i + j) * stride;
+            rows.qh[j] = w->qh ? w->qh + (i + j) * (k / 8) : NULL;
+            rows.scale[j] = w->scale + (i + j) * ng;
+            rows.min[j] = w->min ? w->min + (i + j) * ng : NULL;
+        }
+        for (int64_t t = 0; t < nt; t++) {
+            const uint8_t *next = t == 0 && ahead && i + R + ahead <= w->rows ? rows.q[0] + ahead * stride : NULL;
+            dot_rows((int)R, &rows, &qx[t], k, out + t * ostride + i, next, stride);
+        }
+    }
 }
 
 float pinfer_dot_f16(const uint16_t *w, const float *x, int64_t d) { return dot_f16(w, x, d, NULL); }
