@@ -172,19 +172,26 @@ class PinfReader:
 HUGE_PAGE = 2 << 20
 
 
-def huge_copy(a):
-    """A copy of `a` in private anonymous memory that the kernel is asked to back with transparent
-    huge pages (madvise HUGEPAGE, from a 2 MB boundary; systems set to "madvise", a common default,
-    give them only when asked). pinfer's kernels stream weights: `benchmarks/row_dots.py` reads 96
-    MB of 4096-wide q4 rows at 21.9 GB/s from huge pages and 15.0 GB/s from 4 KB pages (1 thread,
-    2-core EPYC; 11008-wide rows 26.0 against 16.0). Arrays under one huge page are plain copies."""
-    a = np.asarray(a)
-    if a.nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.array(a)
-    mm = mmap.mmap(-1, a.nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def huge_empty(shape, dtype):
+    """An uninitialized array in private anonymous memory that the kernel is asked to back with
+    transparent huge pages (madvise HUGEPAGE, from a 2 MB boundary; systems set to "madvise", a
+    common default, give them only when asked). Arrays under one huge page are plain ones."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    mm = mmap.mmap(-1, nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(mmap.MADV_HUGEPAGE)          # before the first touch: faults then take huge pages
     raw = np.frombuffer(mm, np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
-    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def huge_copy(a):
+    """A copy of `a` in huge pages (huge_empty). pinfer's kernels stream weights:
+    `benchmarks/row_dots.py` reads 96 MB of 4096-wide q4 rows at 21.9 GB/s from huge pages and 15.0
+    GB/s from 4 KB pages (1 thread, 2-core EPYC; 11008-wide rows 26.0 against 16.0)."""
+    a = np.asarray(a)
+    out = huge_empty(a.shape, a.dtype)
     out[...] = a
     return out

@@ -22,6 +22,7 @@ from . import accounting, autotune, native
 from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
+from .loading import load_map, trim_heap
 from .options import DEFAULT_CTX, RuntimeOptions
 from .sparse import Counters, LayerFfn, LayerRule, Rule
 from .steps import Steps
@@ -49,18 +50,21 @@ class Model:
         self.plan, self.ffns, self.steps = None, [], None
         # With the dense part on a device only the attention graphs go there (the full graphs would
         # copy every gate/up row into VRAM): every token, prompt ones too, takes the decode path.
-        self.layers = [dv.session(S.LAYER_GRAPH.format(i), self.threads, attention_only=dv.on_device)
-                       for i in range(cfg.n_layer)]
+        # per-layer loading, a layer per thread where everything stays on the CPU
+        self.load_map = load_map(self.threads if dv.ffn == "cpu" and dv.dense == "cpu" else 1, r)
         self.head = dv.session(S.HEAD_GRAPH, self.threads)
+        self.layers = self.load_map(lambda i: dv.session(S.LAYER_GRAPH.format(i), self.threads,
+                                                         attention_only=dv.on_device), cfg.n_layer)
         self.attn = self.layers if dv.on_device else None   # attention-only sessions, made on first need
-        self.downs = [None if dv.on_device else down_projection(r, cfg, i, self.threads) for i in range(cfg.n_layer)]
+        self.downs = [None] * cfg.n_layer if dv.on_device else \
+            self.load_map(lambda i: down_projection(r, cfg, i, self.threads), cfg.n_layer)
         self.counters = Counters()
         self.attention = AttentionState(cfg, self.n_ctx, dv.act_dtype, dv.act_at,
                                         r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None)
         self.attention.bind(self.layers)
         # decode's attention and head through pinfer's C kernels where they cover the layer (native.py)
         ok = options.dense_kernel == "on" and dv.act_at == "cpu" and dv.act_dtype == np.float32
-        self.native = native.attention_steps(r, cfg, self.threads) if ok else [None] * cfg.n_layer
+        self.native = native.attention_steps(r, cfg, self.threads, self.load_map) if ok else [None] * cfg.n_layer
         self.native_head = native.head(r, cfg, self.threads) if ok else None
         dv.loaded(self.attention.kv_bytes)
         self._head_shape = None  # the row count the head's buffers are bound for
@@ -74,12 +78,13 @@ class Model:
         self.rules = [LayerRule(self.reader, self.reader.header, i, Rule.of_layer(self.reader.header, i, override),
                                 self.counters) for i in range(self.cfg.n_layer)]
         self._place([rule.rule.mode for rule in self.rules],
-                    lambda: [fused_ffn(self, i) for i in range(self.cfg.n_layer)])
+                    lambda: self.load_map(lambda i: fused_ffn(self, i), self.cfg.n_layer))
         self.path_choices = []      # what --ffn-kernel auto measured and chose, one PathChoice per rule
         if self.use_kernels == "auto" and self.devices.ffn == "cpu" and not self.devices.on_device and any(self.ffns):
             chosen = autotune.choose_paths(self)
             self.path_choices = [c for c in chosen if isinstance(c, autotune.PathChoice)]
             self.notes += chosen
+        trim_heap()
 
     def set_active_sets(self, draw, hotness=None):
         """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending
@@ -88,8 +93,8 @@ class Model:
         by `hotness` ((n_layer, n_ff), the draws' activation probabilities; default: the file's
         profile, see placement.hotness). set_sparsity() undoes it."""
         n_layer = self.cfg.n_layer
-        self._place(["given"] * n_layer, lambda: [LayerFfn(layer_kernel(self, i, "given"), "given")
-                                                  for i in range(n_layer)], hotness)
+        self._place(["given"] * n_layer, lambda: self.load_map(lambda i: LayerFfn(layer_kernel(self, i, "given"), "given"),
+                                                               n_layer), hotness)
         self.draw = draw
         self.path_choices = []
 
@@ -104,13 +109,13 @@ class Model:
         if split:
             self.devices.report(self.plan)
         if any(self.ffns) and self.attn is None:      # where the C kernels do not take the attention
-            self.attn = [None if self.native[i] else self.devices.session(S.LAYER_GRAPH.format(i), self.threads,
-                                                                          attention_only=True)
-                         for i in range(self.cfg.n_layer)]
+            self.attn = self.load_map(lambda i: None if self.native[i] else self.devices.session(
+                S.LAYER_GRAPH.format(i), self.threads, attention_only=True), self.cfg.n_layer)
             self.attention.bind(self.attn)
         self.prefill_by_token, self.prefill_times = 0, []
         self.unbind()      # the bound steps call the rules and kernels
         self.reader.release()       # the kernels read their own copies; ONNX Runtime packed its own
+        trim_heap()
 
     def weight_bytes_per_token(self):
         """Weight bytes a step reads, from the rows read since the last counters.reset() (all rows

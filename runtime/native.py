@@ -31,24 +31,24 @@ def refusal(reader, cfg, i=None):
     return None if fmts <= set(LINEAR_FORMATS) else f"attention weights in {sorted(map(str, fmts))}"
 
 
-def attention_steps(reader, cfg, threads):
-    """Per layer an AttentionStep, or None where refusal() says why not. The steps read their own
-    copies of the weights (PinfReader.release says why)."""
+def attention_steps(reader, cfg, threads, load_map=lambda fn, n: [fn(i) for i in range(n)]):
+    """Per layer an AttentionStep, or None where refusal() says why not, made by load_map (the
+    model's: several layers at a time). The steps read their own copies of the weights
+    (PinfReader.release says why)."""
     def optional(name):
         return reader.tensor(name) if name in reader.tensors else None
-    steps = []
-    for i in range(cfg.n_layer):
+
+    def step(i):
         if refusal(reader, cfg, i):
-            steps.append(None)
-            continue
-        steps.append(AttentionStep(
+            return None
+        return AttentionStep(
             reader.block(S.ATTN_QKV.format(i), own=True), reader.block(S.ATTN_OUT.format(i), own=True),
             reader.tensor(S.ATTN_NORM.format(i)), reader.tensor(S.FFN_NORM.format(i)),
             n_head=cfg.n_head, n_kv=cfg.n_head_kv, head_dim=cfg.head_dim, rot=cfg.rotary_dim,
             interleaved=cfg.rope_interleaved, eps=cfg.norm_eps, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
             qkv_bias=optional(S.ATTN_QKV_BIAS.format(i)), out_bias=optional(S.ATTN_OUT_BIAS.format(i)),
-            down_bias=optional(S.FFN_DOWN_BIAS.format(i)), threads=threads))
-    return steps
+            down_bias=optional(S.FFN_DOWN_BIAS.format(i)), threads=threads)
+    return load_map(step, cfg.n_layer)
 
 
 class Head:

@@ -2,17 +2,19 @@
 them once (IOBinding), the down projection as MatMulNBits, and graph surgery."""
 
 import ctypes
+import threading
 
 import numpy as np
 import onnxruntime as ort
 
-from pinfer.formats import blocks
+from pinfer import kernels
 from pinfer.formats import schema as S
 from pinfer.formats.onnx_graph import F32, GraphBuilder
-from pinfer.formats.reader import huge_copy
+from pinfer.formats.reader import huge_empty
 
 
 _shared_arena = False
+_arena_lock = threading.Lock()     # loading makes sessions on several threads (loading.load_map)
 
 
 def _register_shared_arena():
@@ -20,10 +22,11 @@ def _register_shared_arena():
     grown to its largest call and never returned: a 512-token prefill left SmolLM2's 31 sessions
     holding 1.2 GB, against 0.48 GB shared, at the same speed."""
     global _shared_arena
-    if not _shared_arena:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
-        _shared_arena = True
+    with _arena_lock:
+        if not _shared_arena:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+            _shared_arena = True
 
 
 def session_options(threads):
@@ -49,8 +52,8 @@ class MatMulDown:
     FORMATS = ("q4r", "q8r")
 
     def __init__(self, fmt, parts, threads, n_ff, d):
-        plain, w = blocks.from_transposed_r(fmt, parts)     # W_down (d, n_ff)
-        w = {p: huge_copy(a) for p, a in w.items()}         # the kernel's row dots stream it
+        # W_down (d, n_ff), in huge pages: the kernel's row dots stream it
+        plain, w = kernels.untranspose_r(fmt, parts, empty=huge_empty)
         self.rows = (plain, w)     # the fused kernel's row dots read the same arrays
         self.arrays = {S.part_name("w", p): a for p, a in w.items()}
         directory = {name: {"dtype": S.DTYPE_CODES[a.dtype], "shape": list(a.shape), "nbytes": a.nbytes}

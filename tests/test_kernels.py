@@ -85,6 +85,26 @@ def test_matmul_down_refuses_formats_without_groups_along_n():
         MatMulDown(f, parts, 1, 64, 96)
 
 
+@pytest.mark.parametrize("fmt", ["q8r", "q4r", "q4r-nomin"])
+@pytest.mark.parametrize("n, d", [(96, 160), (160, 96), (64, 64)])
+def test_untranspose_in_c_is_the_numpy_transpose_exactly(fmt, n, d):
+    """MatMulDown rebuilds W_down (d, n_ff) from down_t in C (kernels.untranspose_r): byte for byte
+    what formats.blocks.from_transposed_r gives, over shapes that are and are not whole 64 x 64
+    tiles, into the arrays the `empty` argument makes (huge pages in the runtime)."""
+    from pinfer.formats import blocks
+    from pinfer.formats.reader import huge_empty
+    from pinfer.kernels import untranspose_r
+    f, parts, _ = down_weights(fmt, n, d)
+    parts = {k: a for k, a in parts.items()}
+    parts["q"] = RNG.integers(0, 256, parts["q"].shape, dtype=np.uint8)   # every nibble pattern
+    want_fmt, want = blocks.from_transposed_r(f, parts)
+    got_fmt, got = untranspose_r(f, parts, empty=huge_empty)
+    assert got_fmt == want_fmt and got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].flags.c_contiguous
+        np.testing.assert_array_equal(got[k], want[k])
+
+
 def test_importing_pinfer_leaves_the_environment_as_it_was():
     """Children (llama.cpp in the benchmarks) inherit the environment: pinfer must not change it. The
     kernels run on their own thread pool (csrc/pool.c), so no OpenMP runtime is loaded, whose

@@ -90,6 +90,22 @@ def test_native_decode_matches_the_sessions(gguf_file, monkeypatch, isa, threads
     _assert_close_but_for_roundings(got, want)
 
 
+def test_layers_load_in_order_on_two_threads_and_the_first_failure_is_raised(gguf_file):
+    """Model loads its layers `threads` at a time (loading.load_map): results in layer order, and
+    of several failing layers the lowest one's error, whichever thread finished first."""
+    from pinfer.formats import PinfReader
+    from pinfer.runtime.loading import load_map
+    run = load_map(2, PinfReader(gguf_file[1]))
+    assert run(lambda i: i * i, 7) == [0, 1, 4, 9, 16, 25, 36]
+
+    def fail(i):
+        if i in (3, 5):
+            raise ValueError(f"layer {i} is damaged")
+        return i
+    with pytest.raises(ValueError, match="layer 3 is damaged"):
+        run(fail, 7)
+
+
 def test_native_layer_step_matches_the_attention_session(gguf_file):
     """One layer's C call against its attention-only ONNX Runtime session on the same inputs and
     cache: the residual, the FFN's input and the K/V written at the position."""
