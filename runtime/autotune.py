@@ -18,6 +18,7 @@ KEEP_BELOW = 0.95
 TIMING_TOKENS, TIMING_WARMUP, TIMING_BUDGET_S = 10, 2, 1.0
 PREFILL_BUDGET_S = 0.5      # the prompt timing stops at the first size past this much time
 PREFILL_SIZES = (2, 4, 8, 16, 32, 64)       # 64: kernels.MAX_BATCH, the most tokens of one batch call
+PREFILL_LAYERS = 1 / 8      # the share of the layers (the first ones, one at least) a prompt is timed over
 TIMING_TEXT = ("The history of the city begins in the early middle ages , when a small market grew around the "
                "river crossing . Its people traded wool , grain and salt , and by the year 1200 the town had a "
                "church , a bridge and a wall")
@@ -58,9 +59,12 @@ class PrefillChoice:
 
     def describe(self):
         said = ", ".join(f"{n}: {r:.2f}x" for n, r in self.times)
-        return (f"ffn: prompt time of the kernel's batch call against the dense graphs ({said}): "
-                + (f"prompts of up to {self.up_to} tokens go through the kernel, longer ones through the dense "
-                   "graphs" if self.up_to else "prompts go through the dense graphs"))
+        if self.up_to and self.up_to not in [n for n, _ in self.times]:
+            said += f"; up to {self.up_to} by the bound on the growth of both times"
+        then = ("prompts go through the dense graphs" if not self.up_to else
+                f"prompts go through the kernel, {self.up_to} tokens a call at most" if self.up_to == PREFILL_SIZES[-1]
+                else f"prompts of up to {self.up_to} tokens go through the kernel, longer ones through the dense graphs")
+        return f"ffn: prompt time of the kernel's batch call against the dense graphs ({said}): {then}"
 
 
 def choose_path(rule_r, dense_r, keep_below=None):
@@ -170,32 +174,67 @@ def _time_ways(model, groups):
 def choose_prefill(model):
     """prefill_by_token: the largest prompt length (of PREFILL_SIZES) up to which the kernel's
     batch call over the union of the tokens' candidates beats the dense graphs' batched prompt
-    processing, both timed here (best of two); prompts up to it take the batch call. As the
-    union grows with the prompt and the dense graphs' cost per token falls, the first length
-    where the kernel loses ends the search, as does PREFILL_BUDGET_S. Returns a PrefillChoice."""
+    processing, both timed here over the first layers (best of two, _prompt_layers_time); prompts
+    up to it take the batch call (and longer ones, in chunks, where it wins at the last size:
+    chunk_size). As the union grows with the prompt and the dense graphs' cost per token falls,
+    the first length where the kernel loses ends the search, as does PREFILL_BUDGET_S.
+
+    A length timed at a ratio r (the batch call's time over the graphs') answers the lengths up to
+    KEEP_BELOW / r times it without a timing (covered_by): the batch call's time grows at most in
+    proportion to its tokens (each token's attention, candidates and dots; the union of their rows
+    grows slower), and the graphs' does not fall as tokens are added. A sparse model whose graphs
+    take a dense down projection per token (the ReLU 7B-shaped one: r = 0.10 at 2 tokens, which
+    spent the budget) is answered up to 16 tokens that way. Returns a PrefillChoice."""
     ids = timing_tokens(model.tokenizer_spec, model.cfg.vocab, PREFILL_SIZES[-1])
     chosen, times, t_start = 0, [], time.perf_counter()
     for n in PREFILL_SIZES:
+        if n <= chosen:
+            continue
         if n > model.n_ctx or time.perf_counter() - t_start > PREFILL_BUDGET_S:
             break
-        best = []
-        for by_kernel in (n, 0):
-            model.prefill_by_token = by_kernel
-            model.unbind()
-            t = np.inf
-            for _ in range(2):
-                model.reset()
-                t0 = time.perf_counter()
-                model.forward(list(ids[:n]))
-                t = min(t, time.perf_counter() - t0)
-            best.append(t)
+        best = [min(_prompt_layers_time(model, ids[:n], by_kernel) for _ in range(2)) for by_kernel in (n, 0)]
         times.append((n, best[0] / best[1]))
         if best[0] >= best[1]:
             break
-        chosen = n
+        chosen = covered_by(n, best[0] / best[1], model.n_ctx)
     model.prefill_by_token = chosen
     model.unbind()
     model.prefill_times = times
     model.reset()
     model.counters.reset()
     return PrefillChoice(tuple(times), chosen)
+
+
+def _prompt_layers_time(model, ids, by_kernel):
+    """Seconds a prompt of `ids` takes through the first PREFILL_LAYERS share of the layers (the
+    kernel's batch call where by_kernel covers it, else the dense graphs): where the graphs are
+    slow, timing every layer spent the budget at 2 tokens (a prompt of 32 takes 8.6 s through the
+    ReLU 7B-shaped model's graphs, 1.1 s through the first 4 of its 32 layers)."""
+    model.prefill_by_token = by_kernel
+    model.unbind()
+    model.reset()
+    model.bind_activations(len(ids))
+    model.start(ids, len(ids))
+    t0 = time.perf_counter()
+    for steps in model.steps.by_layer[:max(1, round(PREFILL_LAYERS * model.cfg.n_layer))]:
+        for step in steps:
+            step()
+    return time.perf_counter() - t0
+
+
+def chunk_size(model, n):
+    """Tokens per call for a prompt of n: all of them, unless the kernel's batch call won at the
+    most tokens it takes (prefill_by_token at PREFILL_SIZES[-1]); then longer prompts go through
+    it in equal chunks. Measured where that happens, the ReLU 7B-shaped model (2 threads): 128
+    tokens in 7.0 s as two chunks, 32.5 s through the graphs."""
+    top = PREFILL_SIZES[-1]
+    if n <= top or model.prefill_by_token < top or not model.batches(top):
+        return n
+    return -(-n // -(-n // top))
+
+
+def covered_by(n, ratio, n_ctx):
+    """The largest of PREFILL_SIZES (n at least, n_ctx at most) that a win at n tokens by `ratio`
+    answers (choose_prefill says why): m tokens cost the batch call at most m/n of its time at n,
+    the graphs at least theirs at n."""
+    return max(m for m in PREFILL_SIZES if m == n or (m <= n_ctx and m * ratio <= n * KEEP_BELOW))

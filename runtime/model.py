@@ -178,7 +178,8 @@ class Model:
 
     def forward(self, tokens, logits_from=None):
         """Run `tokens` after the cached ones; returns logits (n, vocab) for positions
-        logits_from.. of this call (default: the last one only)."""
+        logits_from.. of this call (default: the last one only). A prompt longer than one batch
+        call of the kernel takes may run as several (autotune.chunk_size)."""
         n = len(tokens)
         if n == 0:
             raise ValueError("forward() needs at least one token")
@@ -187,12 +188,17 @@ class Model:
         start = n - 1 if logits_from is None else logits_from
         if n > 1 and self.devices.on_device:
             return np.concatenate([self.forward([t]) for t in tokens][start:])
-        self.bind_activations(n)
-        self.start(tokens, n)
-        for step in self.steps.run:
-            step()
-        self.n_past += n
-        return self._head(self.steps.resid[self.cfg.n_layer % 2], self.steps.delta, start)
+        size, out = autotune.chunk_size(self, n), []
+        for c in range(0, n, size):
+            part = tokens[c:c + size]
+            self.bind_activations(len(part))
+            self.start(part, len(part))
+            for step in self.steps.run:
+                step()
+            self.n_past += len(part)
+            if start < c + len(part):
+                out.append(self._head(self.steps.resid[self.cfg.n_layer % 2], self.steps.delta, max(start - c, 0)))
+        return np.concatenate(out)
 
     def _head(self, resid, delta, start):
         """Logits of rows start.. of the last layer's output. On a device (one token) the head

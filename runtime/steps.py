@@ -22,8 +22,8 @@ class Steps:
         self.delta = Buf((1, n, d), np.float32, dv.act_at if self.on_device else "cpu")
         self.x = Buf((1, n, d), np.float32, dv.act_at if self.on_device else "cpu")
         self.h = np.zeros((1, n, model.cfg.n_ff), np.float32)
-        self.run = [s for i in range(model.cfg.n_layer)
-                    for s in self.layer(i, kernel and model.ffns[i] is not None)]
+        self.by_layer = [self.layer(i, kernel and model.ffns[i] is not None) for i in range(model.cfg.n_layer)]
+        self.run = [s for steps in self.by_layer for s in steps]
 
     def layer(self, i, kernel, rule=None, entry=None):
         """Layer i's steps: the attention (the C kernels' call per token, or the attention-only

@@ -86,8 +86,12 @@ def test_prompts_up_to_the_crossover_take_the_kernels_batch_call(silu_file, monk
     monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
     m = Model(silu_file, _opts(sparsity="down:0.3"))
     assert m.prefill_by_token in (0, 2, 4, 8, 16, 32, 64)
-    lengths = [n for n, _ in m.prefill_times]
-    assert lengths == list(autotune.PREFILL_SIZES[:len(lengths)]) and all(r > 0 for _, r in m.prefill_times)
+    lengths = [n for n, _ in m.prefill_times]      # timed from the first size up, some answered by the bound
+    assert lengths == sorted(set(lengths)) and set(lengths) <= set(autotune.PREFILL_SIZES)
+    assert lengths[0] == autotune.PREFILL_SIZES[0] and all(r > 0 for _, r in m.prefill_times)
+    for (n, r), later in zip(m.prefill_times, lengths[1:] + [None]):
+        if later is not None:       # a size is timed only where the wins before it do not answer it
+            assert r < 1 and later > autotune.covered_by(n, r, m.n_ctx)
     [said] = [n for n in m.notes if isinstance(n, autotune.PrefillChoice)]
     assert said.up_to == m.prefill_by_token and said.times == tuple(m.prefill_times)
     assert "ffn: prompt time of the kernel's batch call against the dense graphs (2: " in said.describe()
@@ -108,6 +112,36 @@ def test_prompts_up_to_the_crossover_take_the_kernels_batch_call(silu_file, monk
     m.reset()
     longer = m.forward(IDS[:6], logits_from=0)       # past the crossover: the dense graphs, batched
     assert longer.shape[0] == 6
+
+
+def test_prompts_longer_than_a_batch_call_go_through_it_in_chunks(silu_file):
+    """Where the batch call won at its most tokens, a longer prompt runs as equal chunks of it:
+    every row's logits as decoding token by token gives them, and the cache as long as the prompt."""
+    m = Model(silu_file, _opts(sparsity="down:0.3", kernels="on", n_ctx=256))
+    ids = [5 + (7 * i) % 200 for i in range(150)]
+    m.prefill_through_kernel(autotune.PREFILL_SIZES[-1])
+    chunk = autotune.chunk_size
+    assert chunk(m, 150) == 50 and chunk(m, 64) == 64 and chunk(m, 65) == 33
+    got = m.forward(ids, logits_from=100)
+    assert got.shape == (50, m.cfg.vocab) and m.n_past == 150
+    m.reset()
+    want = np.concatenate([m.forward([t]) for t in ids])[100:]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    m.prefill_through_kernel(32)            # the batch call lost at 64: one call through the graphs
+    assert chunk(m, 150) == 150
+
+
+def test_a_prompt_win_answers_longer_prompts_by_the_bound():
+    """A win at n tokens by ratio r answers every size m with m * r <= n * KEEP_BELOW (the batch
+    call's time grows at most in proportion to its tokens, the graphs' does not fall), n_ctx capping:
+    the ReLU 7B-shaped model's 0.10 at 2 tokens answers 16."""
+    assert autotune.covered_by(2, 0.104, 512) == 16
+    assert autotune.covered_by(2, 0.6, 512) == 2 and autotune.covered_by(4, 0.95, 512) == 4
+    assert autotune.covered_by(8, 0.1, 32) == 32 and autotune.covered_by(64, 0.01, 4096) == 64
+    said = autotune.PrefillChoice(((2, 0.104),), 16).describe()
+    assert "(2: 0.10x; up to 16 by the bound on the growth of both times): prompts of up to 16" in said
+    said = autotune.PrefillChoice(((2, 0.104), (16, 0.2)), 64).describe()
+    assert "up to 64 by the bound on the growth of both times): prompts go through the kernel, 64 tokens a call" in said
 
 
 def test_off_and_on_time_nothing(silu_file, capfd):
