@@ -3,6 +3,11 @@
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 
+from pinfer.formats import schema as S
+
+from .autotune import PREFILL_SIZES
+from .ffn import down_projection
+
 
 def trim_heap():
     """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
@@ -30,3 +35,31 @@ def load_map(workers, reader):
         trim_heap()
         return out
     return run
+
+
+def drop_graphs(model):
+    """Let the dense graphs go where no call takes them, on the CPU: every layer's attention through
+    the C kernels (native), its FFN through a fused kernel, and prompts through the kernel's batch
+    call at its most tokens (autotune.chunk_size). That is ONNX Runtime's packed copy of each layer's
+    attention and gate/up and the ONNX path's down projections (those whose W_down the kernel does
+    not share): the trained ReLU 7B-shaped model then holds 6.2 GB after load, not 12.0 (2
+    threads, n_ctx 512). ensure_graphs makes them again."""
+    if not model.devices.on_device and all(s is not None for s in model.native) and all(model.ffns) and \
+            model.prefill_by_token == PREFILL_SIZES[-1]:
+        model.layers = [None] * model.cfg.n_layer
+        model.downs = [d if getattr(d, "rows", None) else None for d in model.downs]
+    model.reader.release()      # the pages the timing's graph calls read
+    trim_heap()
+
+
+def ensure_graphs(model):
+    """The dense graphs that drop_graphs let go, made again (a call takes them: the prompt routing
+    or the rules changed)."""
+    if model.devices.on_device or all(s is not None for s in model.layers):
+        return
+    layers, downs = model.layers, model.downs
+    model.layers = model.load_map(lambda i: layers[i] if layers[i] is not None else model.devices.session(
+        S.LAYER_GRAPH.format(i), model.threads), model.cfg.n_layer)
+    model.attention.bind(model.layers)
+    model.downs = model.load_map(lambda i: downs[i] if downs[i] is not None else down_projection(
+        model.reader, model.cfg, i, model.threads), model.cfg.n_layer)

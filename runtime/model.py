@@ -22,7 +22,7 @@ from . import accounting, autotune, native
 from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
-from .loading import load_map, trim_heap
+from .loading import drop_graphs, load_map, trim_heap
 from .options import DEFAULT_CTX, RuntimeOptions
 from .sparse import Counters, LayerFfn, LayerRule, Rule
 from .steps import Steps
@@ -84,7 +84,7 @@ class Model:
             chosen = autotune.choose_paths(self)
             self.path_choices = [c for c in chosen if isinstance(c, autotune.PathChoice)]
             self.notes += chosen
-        trim_heap()
+        drop_graphs(self)
 
     def set_active_sets(self, draw, hotness=None):
         """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending

@@ -9,6 +9,7 @@ memory; prefill's FFN runs on the host buffers."""
 import numpy as np
 
 from . import hybrid, native
+from .loading import ensure_graphs
 from .ort import Buf
 
 
@@ -22,6 +23,8 @@ class Steps:
         self.delta = Buf((1, n, d), np.float32, dv.act_at if self.on_device else "cpu")
         self.x = Buf((1, n, d), np.float32, dv.act_at if self.on_device else "cpu")
         self.h = np.zeros((1, n, model.cfg.n_ff), np.float32)
+        if not (kernel and all(model.ffns)):
+            ensure_graphs(model)
         self.by_layer = [self.layer(i, kernel and model.ffns[i] is not None) for i in range(model.cfg.n_layer)]
         self.run = [s for steps in self.by_layer for s in steps]
 

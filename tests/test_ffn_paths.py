@@ -131,6 +131,33 @@ def test_prompts_longer_than_a_batch_call_go_through_it_in_chunks(silu_file):
     assert chunk(m, 150) == 150
 
 
+def test_graphs_no_call_takes_are_let_go_and_made_again_when_one_does(silu_file):
+    """Where every layer decodes through the C attention and a fused kernel and prompts take the
+    batch call at its most tokens, ONNX Runtime's layer sessions and the ONNX path's down
+    projections are dropped; a call through the graphs later makes them again, and gives what a
+    model that never dropped them gives."""
+    from pinfer.runtime.loading import drop_graphs
+    m = Model(silu_file, _opts(sparsity="down:0.3", kernels="on", n_ctx=256))
+    ref = Model(silu_file, _opts(sparsity="down:0.3", kernels="on", n_ctx=256))
+    assert all(s is not None for s in m.native) and all(m.ffns)
+    drop_graphs(m)                          # prompts still through the graphs: nothing to drop
+    assert all(s is not None for s in m.layers)
+    m.prefill_through_kernel(autotune.PREFILL_SIZES[-1])
+    shared = [getattr(d, "rows", None) is not None for d in m.downs]     # W_down the kernel reads too
+    drop_graphs(m)
+    assert all(s is None for s in m.layers) and [d is not None for d in m.downs] == shared
+    m.forward(IDS[:20])
+    m.forward(IDS[20:21])
+    assert all(s is None for s in m.layers)     # neither a prompt nor a token took them
+    m.prefill_through_kernel(0)
+    for model in (m, ref):
+        model.prefill_through_kernel(0)
+        model.reset()
+    got, want = m.forward(IDS[:8], logits_from=0), ref.forward(IDS[:8], logits_from=0)
+    assert all(s is not None for s in m.layers) and all(d is not None for d in m.downs)
+    np.testing.assert_array_equal(got, want)    # the same sessions, made again, on the same inputs
+
+
 def test_a_prompt_win_answers_longer_prompts_by_the_bound():
     """A win at n tokens by ratio r answers every size m with m * r <= n * KEEP_BELOW (the batch
     call's time grows at most in proportion to its tokens, the graphs' does not fall), n_ctx capping:
