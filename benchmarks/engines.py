@@ -29,8 +29,9 @@ def llamacpp(py, what, gguf, threads, *positional, **args):
 class LlamaWorker:
     """A warm llama.cpp process (llamacpp_side.py worker) on one model and thread count."""
 
-    def __init__(self, py, gguf, threads):
-        self.proc = subprocess.Popen([str(py), str(SIDE), "worker", str(gguf), "--threads", str(threads)],
+    def __init__(self, py, gguf, threads, ctx=512):
+        self.proc = subprocess.Popen([str(py), str(SIDE), "worker", str(gguf), "--threads", str(threads),
+                                      "--ctx", str(ctx)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env())
         if not json.loads(self.proc.stdout.readline()).get("ready"):
             raise RuntimeError("llama.cpp's worker did not start")
@@ -38,6 +39,12 @@ class LlamaWorker:
     def decode(self, n):
         """tok/s of n greedy decode steps."""
         self.proc.stdin.write(f"decode {n}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["tok_s"]
+
+    def prompt(self, ids):
+        """tok/s of `ids` as one prompt from an empty cache."""
+        self.proc.stdin.write("prompt " + " ".join(map(str, ids)) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())["tok_s"]
 

@@ -97,16 +97,25 @@ def decode_loop(llm, prompt, n):
 
 
 def worker(a):
-    """Load once, warm up, then answer each "decode N" line of stdin with one JSON line, so that a
-    benchmark can alternate warm runs of both engines."""
+    """Load once, warm up, then answer each "decode N" line of stdin (N greedy tokens after a short
+    prompt) or "prompt ID ID ..." line (those ids as one prompt, from an empty cache, in batches
+    of --ctx) with one JSON line, so that a benchmark can alternate warm runs of both engines."""
     import sys
-    llm = load(a.model, 512, a.threads)
+    llm = load(a.model, a.ctx, a.threads)
     prompt = llm.tokenize(b"The capital of France is", add_bos=False)
     decode_loop(llm, prompt, 16)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        n = int(line.split()[1])
-        dt = decode_loop(llm, prompt, n)
+        what, *args = line.split()
+        if what == "prompt":
+            ids = [int(i) for i in args]
+            llm.reset()                 # eval drops the cache past n_tokens, here all of it
+            t0 = time.perf_counter()
+            llm.eval(ids)
+            n, dt = len(ids), time.perf_counter() - t0
+        else:
+            n = int(args[0])
+            dt = decode_loop(llm, prompt, n)
         print(json.dumps({"tokens": n, "seconds": dt, "tok_s": n / dt}), flush=True)
     return None
 
