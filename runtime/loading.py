@@ -19,12 +19,20 @@ def trim_heap():
         pass
 
 
+# Layers loading at once, at most: each holds its weights' temporaries while ONNX Runtime packs them,
+# so the peak grows with the count. 2 halved the 7B-shaped model's load on 2 cores (39 -> 17 s);
+# more were not measured here.
+MAX_LOAD_WORKERS = 4
+
+
 def load_map(workers, reader):
     """map(fn, n) -> [fn(0), ..., fn(n - 1)], `workers` layers at a time, then the file's pages and
     the heap's free ones handed back (PinfReader.release, trim_heap), which keeps the peak during
     load down. Loading a layer is mostly ONNX Runtime packing its weights and copies of the
     kernels' weights, which run without the GIL: the 7B-shaped model loaded in 39 s on one thread.
     The first failure is raised, in layer order."""
+    workers = min(workers, MAX_LOAD_WORKERS)
+
     def run(fn, n):
         if workers <= 1:
             out = [fn(i) for i in range(n)]
@@ -41,20 +49,20 @@ def drop_graphs(model):
     """Let the dense graphs go where no call takes them, on the CPU: every layer's attention through
     the C kernels (native), its FFN through a fused kernel, and prompts through the kernel's batch
     call at its most tokens (autotune.chunk_size). That is ONNX Runtime's packed copy of each layer's
-    attention and gate/up and the ONNX path's down projections (those whose W_down the kernel does
-    not share): the trained ReLU 7B-shaped model then holds 6.2 GB after load, not 12.0 (2
-    threads, n_ctx 512). ensure_graphs makes them again."""
+    attention and gate/up and the ONNX path's down projections: the trained ReLU 7B-shaped model then
+    holds 6.2 GB after load, not 12.0 (2 threads, n_ctx 512). ensure_graphs makes them again, before
+    any timing or new kernels (Model._place), which take the graphs and the rows they share."""
     if not model.devices.on_device and all(s is not None for s in model.native) and all(model.ffns) and \
             model.prefill_by_token == PREFILL_SIZES[-1]:
         model.layers = [None] * model.cfg.n_layer
-        model.downs = [d if getattr(d, "rows", None) else None for d in model.downs]
+        model.downs = [None] * model.cfg.n_layer    # a kernel sharing W_down's rows keeps them (SparseFFN.keep)
     model.reader.release()      # the pages the timing's graph calls read
     trim_heap()
 
 
 def ensure_graphs(model):
-    """The dense graphs that drop_graphs let go, made again (a call takes them: the prompt routing
-    or the rules changed)."""
+    """The dense graphs that drop_graphs let go, made again (a call takes them, or the rules change:
+    the timing runs them and new kernels share W_down's rows with the down projections)."""
     if model.devices.on_device or all(s is not None for s in model.layers):
         return
     layers, downs = model.layers, model.downs

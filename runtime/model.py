@@ -22,7 +22,7 @@ from . import accounting, autotune, native
 from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
-from .loading import drop_graphs, load_map, trim_heap
+from .loading import drop_graphs, ensure_graphs, load_map, trim_heap
 from .options import DEFAULT_CTX, RuntimeOptions
 from .sparse import Counters, LayerFfn, LayerRule, Rule
 from .steps import Steps
@@ -102,6 +102,7 @@ class Model:
         """Plan the hot neurons for `modes` (where a split device is in use), then build the layers'
         fused FFNs with make_ffns() and, for them, the attention-only sessions; prompts go through
         the dense graphs until autotune says so."""
+        ensure_graphs(self)
         self.devices.release(self.ffns)
         split = self.devices.ffn != "cpu"
         self.plan = self.devices.plan(modes, hotness) if split else None
@@ -186,6 +187,8 @@ class Model:
         if self.n_past + n > self.n_ctx:
             raise ContextFull(self.n_past, n, self.n_ctx)
         start = n - 1 if logits_from is None else logits_from
+        if not 0 <= start < n:
+            raise ValueError(f"logits_from {logits_from} is outside this call's {n} tokens")
         if n > 1 and self.devices.on_device:
             return np.concatenate([self.forward([t]) for t in tokens][start:])
         size, out = autotune.chunk_size(self, n), []
@@ -198,7 +201,7 @@ class Model:
             self.n_past += len(part)
             if start < c + len(part):
                 out.append(self._head(self.steps.resid[self.cfg.n_layer % 2], self.steps.delta, max(start - c, 0)))
-        return np.concatenate(out)
+        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def _head(self, resid, delta, start):
         """Logits of rows start.. of the last layer's output. On a device (one token) the head

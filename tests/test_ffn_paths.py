@@ -143,9 +143,8 @@ def test_graphs_no_call_takes_are_let_go_and_made_again_when_one_does(silu_file)
     drop_graphs(m)                          # prompts still through the graphs: nothing to drop
     assert all(s is not None for s in m.layers)
     m.prefill_through_kernel(autotune.PREFILL_SIZES[-1])
-    shared = [getattr(d, "rows", None) is not None for d in m.downs]     # W_down the kernel reads too
     drop_graphs(m)
-    assert all(s is None for s in m.layers) and [d is not None for d in m.downs] == shared
+    assert all(s is None for s in m.layers) and all(d is None for d in m.downs)
     m.forward(IDS[:20])
     m.forward(IDS[20:21])
     assert all(s is None for s in m.layers)     # neither a prompt nor a token took them
@@ -156,6 +155,31 @@ def test_graphs_no_call_takes_are_let_go_and_made_again_when_one_does(silu_file)
     got, want = m.forward(IDS[:8], logits_from=0), ref.forward(IDS[:8], logits_from=0)
     assert all(s is not None for s in m.layers) and all(d is not None for d in m.downs)
     np.testing.assert_array_equal(got, want)    # the same sessions, made again, on the same inputs
+
+
+def test_new_rules_after_the_graphs_were_let_go_make_them_again_first(silu_file):
+    """set_sparsity under auto times the graphs and builds kernels that share W_down's rows with
+    the down projections: after drop_graphs it makes them again first, then decodes as a model
+    loaded with that rule does."""
+    from pinfer.runtime.loading import drop_graphs
+    m = Model(silu_file, _opts(sparsity="down:0.3"))
+    if not all(m.ffns):
+        pytest.skip("the timing here dropped the rule's kernel: nothing to let go")
+    m.prefill_through_kernel(autotune.PREFILL_SIZES[-1])
+    drop_graphs(m)
+    assert all(s is None for s in m.layers)
+    m.set_sparsity("dense")
+    assert all(s is not None for s in m.layers) and all(d is not None for d in m.downs)
+    m.forward(IDS[:8])
+    assert m.forward(IDS[8:9]).shape == (1, m.cfg.vocab)
+
+
+def test_logits_outside_the_call_are_refused_in_a_sentence(silu_file):
+    m = Model(silu_file, _opts(kernels="off"))
+    for bad in (4, -1):
+        m.reset()
+        with pytest.raises(ValueError, match=f"logits_from {bad} is outside this call's 4 tokens"):
+            m.forward(IDS[:4], logits_from=bad)
 
 
 def test_a_prompt_win_answers_longer_prompts_by_the_bound():
