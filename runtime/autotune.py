@@ -230,7 +230,7 @@ def chunk_size(model, n):
     it in equal chunks. Measured where that happens, the ReLU 7B-shaped model (2 threads): 128
     tokens in 7.0 s as two chunks, 32.5 s through the graphs."""
     top = PREFILL_SIZES[-1]
-    if n <= top or model.prefill_by_token < top or not model.batches(top):
+    if n <= top or not model.batches(top):
         return n
     return -(-n // -(-n // top))
 

@@ -52,8 +52,7 @@ def drop_graphs(model):
     attention and gate/up and the ONNX path's down projections: the trained ReLU 7B-shaped model then
     holds 6.2 GB after load, not 12.0 (2 threads, n_ctx 512). ensure_graphs makes them again, before
     any timing or new kernels (Model._place), which take the graphs and the rows they share."""
-    if not model.devices.on_device and all(s is not None for s in model.native) and all(model.ffns) and \
-            model.prefill_by_token == PREFILL_SIZES[-1]:
+    if all(s is not None for s in model.native) and all(model.ffns) and model.batches(PREFILL_SIZES[-1]):
         model.layers = [None] * model.cfg.n_layer
         model.downs = [None] * model.cfg.n_layer    # a kernel sharing W_down's rows keeps them (SparseFFN.keep)
     model.reader.release()      # the pages the timing's graph calls read

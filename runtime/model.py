@@ -22,7 +22,7 @@ from . import accounting, autotune, native
 from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
-from .loading import drop_graphs, ensure_graphs, load_map, trim_heap
+from .loading import drop_graphs, ensure_graphs, load_map
 from .options import DEFAULT_CTX, RuntimeOptions
 from .sparse import Counters, LayerFfn, LayerRule, Rule
 from .steps import Steps
@@ -115,8 +115,6 @@ class Model:
             self.attention.bind(self.attn)
         self.prefill_by_token, self.prefill_times = 0, []
         self.unbind()      # the bound steps call the rules and kernels
-        self.reader.release()       # the kernels read their own copies; ONNX Runtime packed its own
-        trim_heap()
 
     def weight_bytes_per_token(self):
         """Weight bytes a step reads, from the rows read since the last counters.reset() (all rows

@@ -31,7 +31,7 @@ def refusal(reader, cfg, i=None):
     return None if fmts <= set(LINEAR_FORMATS) else f"attention weights in {sorted(map(str, fmts))}"
 
 
-def attention_steps(reader, cfg, threads, load_map=lambda fn, n: [fn(i) for i in range(n)]):
+def attention_steps(reader, cfg, threads, load_map):
     """Per layer an AttentionStep, or None where refusal() says why not, made by load_map (the
     model's: several layers at a time). The steps read their own copies of the weights
     (PinfReader.release says why)."""

@@ -164,7 +164,7 @@ class SparseFFN:
     def __init__(self, gate_up, down, n_ff, d, act="silu", predictor=None, threads=1, down_rows=None,
                  rows_from=None):
         """down_rows: W_down as (fmt, parts), (d, n_ff) q4 rows with groups along n_ff (what
-        blocks.from_transposed_r makes of a q4r down_t; "transpose" makes it here): once rows_from
+        untranspose_r makes of a q4r down_t; "transpose" makes it here): once rows_from
         of the neurons survive, the down projection runs as d row dots over it, h quantized to int8
         per group of 32, instead of the axpy over the survivors' down_t rows."""
         if d % 32 or n_ff % 32:
@@ -180,8 +180,7 @@ class SparseFFN:
         self.gu = (*gu, None if qh is None else qh.ctypes.data)
         self.dn_code, self.dn = _parts(SPARSE_DOWN, *down, n_ff, d, "the sparse FFN's down_t")
         if isinstance(down_rows, str) and down_rows == "transpose":
-            from pinfer.formats import blocks
-            down_rows = blocks.from_transposed_r(*down)
+            down_rows = untranspose_r(*down)
         self.rows = _Rows()
         if down_rows is not None:
             rows_from = ROWS_FROM if rows_from is None else rows_from
