@@ -19,16 +19,29 @@ class Devices:
         self.notes = []                 # Note records of what was chosen, for the CLI to print
         self.ffn = self._choose_ffn_device(options)
         self.dense = self._choose_dense_device(options)
-        self.act_dtype = np.float16 if self.dense != "cpu" else np.float32   # resid, KV, RoPE tables
-        self.act_at = {"gpu": "cuda", "emulated-gpu": "emulated"}.get(self.dense, "cpu")
-        # the dense part's buffers in device memory: the FFN steps reach them through `copier`
-        self.on_device = self.act_at != "cpu"
-        self.copier = self.gpu if self.act_at == "cuda" else DeviceEmulation
+        self._place_buffers()
         self.dense_weight_bytes = 0     # weights ONNX Runtime's CUDA provider holds
         self.kv_bytes = 0
         self.specs = None               # placement.layer_specs of the last plan
         self._free_at_start = self.gpu.mem_info()[0] if self.gpu else 0
         self._free_before = self.dense_measured = 0
+
+    def _place_buffers(self):
+        self.act_dtype = np.float16 if self.dense != "cpu" else np.float32   # resid, KV, RoPE tables
+        self.act_at = {"gpu": "cuda", "emulated-gpu": "emulated"}.get(self.dense, "cpu")
+        # the dense part's buffers in device memory: the FFN steps reach them through `copier`
+        self.on_device = self.act_at != "cpu"
+        self.copier = self.gpu if self.act_at == "cuda" else DeviceEmulation
+
+    def fall_back(self, why):
+        """Everything on the CPU from now on (the self-check at load found the device wrong; it
+        has freed what it put there): the FFN on the CPU kernels, the dense part in FP32. Runs
+        before the model's sessions and buffers are made."""
+        self.notes.append(Note(f"pinfer: running on the CPU: {why}"))
+        if self.gpu is not None:
+            self.gpu.close()
+        self.ffn, self.dense, self.gpu, self._free_at_start = "cpu", "cpu", None, 0
+        self._place_buffers()
 
     def _choose_ffn_device(self, options):
         if options.device in ("cpu", "cpu-split"):

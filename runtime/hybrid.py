@@ -34,6 +34,9 @@ class CpuHot:
     def set_candidates(self, cand):
         self.ffn.set_candidates(cand)
 
+    def survivors(self):
+        return self.ffn.survivors()
+
     def bind(self, x, y, mode, thr, pthr):
         run = self.ffn.bind(x, y, mode, thr, pthr)
 

@@ -18,7 +18,7 @@ from pinfer.formats import PinfReader, blocks
 from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig
 
-from . import accounting, autotune, native
+from . import accounting, autotune, native, selfcheck
 from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
@@ -46,6 +46,7 @@ class Model:
         self.options = options
         self.use_kernels = options.kernels
         self.devices = dv = Devices(r, cfg, options)
+        selfcheck.self_check(dv, self.threads)      # before anything goes to the device: CPU on a difference
         self.notes = dv.notes       # what loading chose (Note, autotune's records): the CLI prints them
         self.plan, self.ffns, self.steps = None, [], None
         # With the dense part on a device only the attention graphs go there (the full graphs would

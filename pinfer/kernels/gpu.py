@@ -254,6 +254,15 @@ class Gpu:
         self.fn = {k: _check(cu.cuModuleGetFunction(self.module, k.encode()), k) for k in KERNELS}
         self.allocated = 0
 
+    def close(self):
+        """Give back the kernels, the stream and this process's hold on the device's primary context
+        (the runtime falling back to the CPU); best effort: the statuses are not checked."""
+        cu = self.cu
+        cu.cuStreamSynchronize(self.stream)
+        cu.cuModuleUnload(self.module)
+        cu.cuStreamDestroy(self.stream)
+        cu.cuDevicePrimaryCtxRelease(self.dev)
+
     def mem_info(self):
         """(free, total) device bytes."""
         return _check(self.cu.cuMemGetInfo(), "cuMemGetInfo")
@@ -340,6 +349,18 @@ class HotFFN:
     def set_candidates(self, cand):
         self.host_cand[:len(cand)] = cand
         self.n_given = len(cand)
+
+    def survivors(self):
+        """(ascending neuron indices, h values) of the last finished call's survivors, read back
+        from the device, as SparseFFN.survivors (the load's self-check compares the two)."""
+        n = int(self.host_counts[1])
+        surv, hval = np.empty(n, np.int32), np.empty(self.k, np.float32)
+        if n:
+            self.gpu.to_host(surv, self.at["surv"])
+        self.gpu.to_host(hval, self.at["hval"])
+        self.gpu.sync()
+        idx = np.sort(surv)         # appended with atomics: unordered
+        return idx, hval[idx]
 
     def bind(self, x, y, mode, thr, pthr):
         """Host buffers x, y (float32 (d,)): start() copies x up and launches; finish(cold) merges
