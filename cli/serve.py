@@ -35,7 +35,26 @@ def command(model, host, port, api_key, max_tokens_limit, chat_template_file, he
     app = make_app(model, opts, on_load_error=load_failed,
                    on_loaded=lambda m: say_notes(m, opts.runtime.verbose))
     err(f"pinfer serve: {model.name} on http://{host}:{port}/v1 (not meant for production serving)")
-    uvicorn.run(app, host=host, port=port, log_level="warning", http=header_timeout_protocol(header_timeout))
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=header_timeout_protocol(header_timeout),
+                            timeout_graceful_shutdown=5)
+    stopping_server(config, app.state.engine).run()
+    err("pinfer serve: stopped")
+
+
+def stopping_server(config, engine):
+    """uvicorn's server, changed in two ways for Ctrl-C and SIGTERM. The generations stop at their
+    next token (engine.close), so open streams end at once: uvicorn alone waits for every response
+    to finish, which for a long one outlasts a service manager's patience. And the signal is not
+    raised again after the graceful shutdown (uvicorn does, to end the process by it): a stop that
+    was asked for is a clean exit, status 0."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.close()
+            super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()
+    return Server(config)
 
 
 def header_timeout_protocol(seconds):

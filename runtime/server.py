@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .chat import render_messages
@@ -109,7 +110,13 @@ class Engine:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pinfer-gen")
         self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pinfer-prompt")
         self.on_load_error = on_load_error
+        self.closing = threading.Event()   # set by close(): every generation stops at its next token
         self.pool.submit(self._load)
+
+    def close(self):
+        """Stop every generation at its next token (the server is shutting down): streams end and
+        the process can exit within a token's time, not after the longest response."""
+        self.closing.set()
 
     def _load(self):
         try:
@@ -133,7 +140,8 @@ class Engine:
         def work():
             try:
                 n = 0
-                for step in self.session.generate(prompt_ids, gen, should_stop=cancelled.is_set):
+                stop = lambda: cancelled.is_set() or self.closing.is_set()     # noqa: E731
+                for step in self.session.generate(prompt_ids, gen, should_stop=stop):
                     n += 1
                     text, stopped = matcher.feed(step.text)
                     reason = "stop" if stopped else step.finish_reason
@@ -244,7 +252,7 @@ class _Api:
             raise BadRequest(f"the request body is {length} bytes, over the limit of {self.options.max_body_bytes}", 413)
         async def collect():
             body = b""
-            async for chunk in request.stream():
+            async for chunk in request.stream():     # ClientDisconnect if the client goes away
                 body += chunk
                 if len(body) > self.options.max_body_bytes:
                     raise BadRequest(f"the request body is over the limit of {self.options.max_body_bytes} bytes", 413)
@@ -284,7 +292,8 @@ class _Api:
         stop = [_text(s, "stop") for s in stop]
         # every request prefills its prompt afresh: a cached prefix computed by another request
         # would round differently, and identical requests must give identical output
-        return GenerateOptions(n_predict=min(max_tokens, room), sampler=sampler, reuse_cache=False), stop
+        return GenerateOptions(n_predict=min(max_tokens, room), sampler=sampler, reuse_cache=False,
+                               ignore_eos=_flag(data, "ignore_eos")), stop      # ignore_eos: as llama.cpp's server
 
     def prompt_of(self, data, chat):
         """Token ids of the request's prompt (run on self.engine.prep: templates and tokenizers take time)."""
@@ -318,6 +327,8 @@ class _Api:
             gen, stops = self.generation(data, len(prompt_ids))
         except BadRequest as e:
             return _error(str(e), e.status, e.code)
+        except ClientDisconnect:    # gone while sending its body: nobody to answer, nothing to log
+            return Response(status_code=499)
         except ValueError as e:  # a chat template that refuses the conversation, and the like
             return _error(str(e))
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
