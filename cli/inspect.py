@@ -22,7 +22,6 @@ def summary(reader):
         "weights": h["weights"],
         "ffn": h["ffn"],
         "sparsity": h["sparsity"],
-        "graphs": sorted(h["graphs"]),
         "provenance": h["provenance"],
         "tensors": {n: {k: e[k] for k in ("dtype", "shape", "nbytes")} for n, e in h["tensors"].items()},
     }

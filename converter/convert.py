@@ -1,5 +1,6 @@
 """`pinfer convert`: the compiler driver. Front end -> passes -> back end -> one `.pinf` file."""
 
+import os
 import shutil
 import sys
 import time
@@ -14,7 +15,6 @@ from pinfer.formats import schema as S
 from pinfer.formats.writer import partial_path
 
 from . import passes
-from .backend import graphs
 from .frontend import arch
 from .frontend.gguf_source import GGUFSource, SourceError
 from .frontend.hf_source import HFSource
@@ -94,8 +94,8 @@ def _same_format(items):
 
 
 def convert(opts):
-    """The conversion: front end (the source, checked), passes (the layout), back end (tensors,
-    graphs and header through PinfWriter), verification and report. Returns the output path, or
+    """The conversion: front end (the source, checked), passes (the layout), back end (tensors
+    and header through PinfWriter), verification and report. Returns the output path, or
     None after a dry run."""
     t0 = time.perf_counter()
     fe = _front_end(opts)
@@ -115,8 +115,8 @@ def convert(opts):
              f"(the plan for {opts.target_vram_gib:g} GiB), int4 for the rest")
     t_write = time.perf_counter()
     with PinfWriter(out, replace=opts.force) as w:     # without --force it never replaces a file
-        em, graph_names = _emit(w, fe, layout, opts.quant, hot_rows, t0)
-        header = _header(fe, layout, em, graph_names, w.directory, opts, hot_rows)
+        em = _emit(w, fe, layout, opts.quant, hot_rows, t0)
+        header = _header(fe, layout, em, w.directory, opts, hot_rows)
         try:
             w.finish(header)
         except FileExistsError as e:
@@ -145,6 +145,8 @@ def _front_end(opts):
     src_path = Path(opts.source)
     out = Path(opts.output) if opts.output else (
         src_path.parent / f"{src_path.name}.pinf" if src_path.is_dir() else src_path.with_suffix(".pinf"))
+    if out.exists() and _same_file(out, src_path):
+        raise ConvertError(f"{out} is the source model itself; choose another output name with -o")
     if out.exists() and not opts.force:
         raise ConvertError(f"{out} already exists; pass --force to overwrite it or -o to choose another name")
     try:
@@ -181,8 +183,8 @@ def _front_end(opts):
 
 
 def _emit(w, fe, layout, quant, hot_rows, t0):
-    """Every tensor and graph of the file, in order; returns the emitter (formats, errors) and
-    the graph names of the header."""
+    """Every tensor of the file, in order; returns the emitter (formats, errors). The file holds
+    no graphs: the runtime builds them from the header (runtime/graphs.py)."""
     src, T, cfg = fe.src, fe.roles, fe.cfg
     em = _Emitter(w)
     em.put(S.TOKEN_EMBD, *_linear(src, T["token_embd"]))
@@ -199,18 +201,10 @@ def _emit(w, fe, layout, quant, hot_rows, t0):
         _log(f"  layer {i + 1}/{cfg.n_layer} written ({time.perf_counter() - t0:.1f} s)")
     if all(lay.freq is not None for lay in layout.layers):
         w.add_tensor(S.FFN_FREQ, np.stack([lay.freq for lay in layout.layers]).astype(np.float32))
-    graph_names = {}
-    directory = w.directory
-    for i in range(cfg.n_layer):
-        name = S.LAYER_GRAPH.format(i)
-        w.add_bytes(S.GRAPH.format(name), graphs.serialize(graphs.layer_graph(cfg, i, em.formats, directory)))
-        graph_names[name] = S.GRAPH.format(name)
-    w.add_bytes(S.GRAPH.format(S.HEAD_GRAPH), graphs.serialize(graphs.head_graph(cfg, em.formats, directory)))
-    graph_names[S.HEAD_GRAPH] = S.GRAPH.format(S.HEAD_GRAPH)
-    return em, graph_names
+    return em
 
 
-def _header(fe, layout, em, graph_names, directory, opts, hot_rows):
+def _header(fe, layout, em, directory, opts, hot_rows):
     cfg = fe.cfg
     reordered = any(lay.perm is not None for lay in layout.layers)
     return {
@@ -223,7 +217,6 @@ def _header(fe, layout, em, graph_names, directory, opts, hot_rows):
         "layers": [lay.info or {"mode": lay.mode, "value": lay.value, "order": "source"}
                    for lay in layout.layers],
         "plan": passes.placement_plan(cfg, layout, directory, opts.target_vram_gib, _plan_ctx(cfg), hot_rows),
-        "graphs": graph_names,
         "provenance": {
             "source": fe.path.name,
             "source_sha256": fe.src.sha256(),
@@ -258,14 +251,25 @@ def _plan_ctx(cfg):
     return min(cfg.n_ctx_train, DEFAULT_CTX)
 
 
+def _same_file(out, src):
+    """Whether the existing output `out` is the source once links are resolved: the GGUF file
+    itself, or, for a folder, one of its files that is not a .pinf."""
+    try:
+        if Path(src).is_dir():
+            return Path(out).suffix != ".pinf" and Path(out).resolve().parent == Path(src).resolve()
+        return os.path.samefile(out, src)
+    except OSError:
+        return False
+
+
 def _check_disk(src, out):
     """Remove a partial file left by a killed run, and refuse to start without room for the output."""
     stale = partial_path(out)
-    if stale.exists():
+    if os.path.lexists(stale):    # a symlink there is removed, never followed (PinfWriter: create_new)
         _log(f"removing {stale.name}, left by an interrupted conversion")
         stale.unlink()
     # Formats are carried over or re-quantized to at most 8.5 bits, so the output is at most about
-    # twice the source's 4-bit tensors; graphs and header add a few MB.
+    # twice the source's 4-bit tensors; the header adds a few MB.
     planned = 2 * sum(src.nbytes(n) for n in src.tensor_names()) + (16 << 20)
     free = shutil.disk_usage(out.resolve().parent).free
     if free < planned:

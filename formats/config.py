@@ -13,6 +13,11 @@ _INT_BOUNDS = {"n_layer": (1, 4096), "d_model": (1, 65536), "n_ff": (1, 1 << 20)
 _CHOICES = {"ffn_act": ("silu", "relu", "drelu", "fatrelu", "gelu"), "norm": ("rms", "layer"),
             "positions": ("rope", "learned")}
 _BOOLS = ("rope_interleaved", "tied_embeddings", "ffn_gated")
+# Upper bounds of the float fields: far beyond any real model (rope_base 1e6-5e8, softcaps 30-50,
+# Gemma's embed_scale sqrt(d_model)), so that a crafted header cannot overflow float32 through them.
+_FLOAT_MAX = {"norm_eps": 1.0, "rope_base": 1e12, "rope_base_local": 1e12, "rope_linear_scale": 1e6,
+              "embed_scale": 1e4, "attn_scale": 1e4, "attn_softcap": 1e6, "final_softcap": 1e6,
+              "ffn_act_threshold": 1e6}
 _ZERO_ALLOWED = ("ffn_act_threshold", "rope_base_local", "attn_softcap", "final_softcap", "attn_scale")
 
 
@@ -32,9 +37,11 @@ def _check_field(name, v, values):
         if not isinstance(v, str):
             return "expected a name"
     elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
-            (name not in _ZERO_ALLOWED and v <= 0) or (name != "ffn_act_threshold" and v < 0):
+            (name not in _ZERO_ALLOWED and v <= 0) or (name != "ffn_act_threshold" and v < 0) or \
+            abs(v) > _FLOAT_MAX.get(name, math.inf):
         return "expected a finite number" + ("" if name == "ffn_act_threshold" else
-                                             " from 0" if name in _ZERO_ALLOWED else " above 0")
+                                             " from 0" if name in _ZERO_ALLOWED else " above 0") + \
+            (f" up to {_FLOAT_MAX[name]:g}" if name in _FLOAT_MAX else "")
     if name == "n_head_kv" and isinstance(values.get("n_head"), int) and not isinstance(values["n_head"], bool) \
             and values["n_head"] % v:
         return "expected a divisor of n_head"
@@ -104,7 +111,11 @@ class ModelConfig:
             why = _check_field(name, v, values)
             if why:
                 raise ValueError(f"the model configuration's {name} is {json.dumps(v)[:40]}: {why}")
-        return cls(**values)
+        cfg = cls(**values)
+        if cfg.rotary_dim > cfg.head_dim or cfg.rotary_dim % 2:
+            raise ValueError(f"the model configuration's rotary_dim is {cfg.rotary_dim}: expected an even number "
+                             f"up to head_dim ({cfg.head_dim})")
+        return cfg
 
     def to_dict(self):
         return dataclasses.asdict(self)

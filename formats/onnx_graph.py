@@ -1,8 +1,8 @@
 """How the `.pinf`'s weights become ONNX operators: a small graph builder whose initializers are
 placeholders for tensors of the file (external data at schema.EXTERNAL_LOCATION, bound by the
 runtime to views of the memory map), and `linear`, the one translation of a block-format weight
-into ONNX Runtime ops. The converter's back end builds every layer graph with it; the runtime
-builds its MatMulNBits down projection with it. Formats:
+into ONNX Runtime ops. The runtime builds every graph it runs with it (runtime/graphs.py and its
+MatMulNBits down projection). Formats:
   q4  -> MatMulNBits(bits=4) (default zero point 8), plus sum_blocks(x) @ (min + 8*scale)^T when
          the weight has a min (GGUF Q4_1); the extra term is exact and reads K/32 values per row;
   q5  -> MatMulNBits(bits=8) with zero point 16 over the 5-bit values, which a few integer ops
@@ -12,6 +12,8 @@ builds its MatMulNBits down projection with it. Formats:
   q8  -> MatMulNBits(bits=8) (default zero point 128: .pinf stores q8 offset by 128);
   f16/f32 -> MatMul with the transposed weight (f16 cast to f32; both folded at session load).
 """
+
+import math
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -75,8 +77,11 @@ class GraphBuilder:
         return self.weight(name) if e["dtype"] == "f32" else self.node("Cast", [self.weight(name)], to=F32)
 
     def linear(self, x, base, fmt, rows, k):
-        """x (1, S, k) @ W^T for the block-format weight `base` of shape (rows, k) -> (1, S, rows)."""
+        """x (1, S, k) @ W^T for the block-format weight `base` of shape (rows, k) -> (1, S, rows).
+        Raises ValueError when the file's parts of `base` do not hold a (rows, k) weight in `fmt`:
+        the graph reshapes them, so a part of another size must never reach ONNX Runtime."""
         part = lambda p: S.part_name(base, p)  # noqa: E731
+        self.check_parts(base, fmt, rows, k)
         if fmt in ("f16", "f32"):
             w = self.node("Reshape", [self.f32(part("w")), self.const(np.array([rows, k]))])
             return self.node("MatMul", [x, self.node("Transpose", [w], perm=[1, 0])])
@@ -101,6 +106,18 @@ class GraphBuilder:
                                            self.const(np.array([-1]))], keepdims=0)
             y = self.node("Add", [y, self.node("MatMul", [sums, self.node("Transpose", [offset], perm=[1, 0])])])
         return y
+
+    def check_parts(self, base, fmt, rows, k):
+        if fmt not in S.BLOCK_FORMATS or k % S.GROUP:
+            raise ValueError(f"the weight {base!r} is in format {fmt!r}, which a ({rows}, {k}) matrix cannot use")
+        for p, (dtype, shape) in S.block_parts(fmt, rows, k).items():
+            e = self.directory.get(S.part_name(base, p))
+            if e is None and p in S.OPTIONAL_PARTS:
+                continue
+            if e is None or e["dtype"] != dtype or math.prod(e["shape"]) != math.prod(shape):
+                found = "missing" if e is None else f"{e['dtype']} {e['shape']}"
+                raise ValueError(f"the weight {S.part_name(base, p)!r} is {found}; a ({rows}, {k}) {fmt} "
+                                 f"weight needs {dtype} {list(shape)}")
 
     def _q5_values(self, q, qh, rows, nb):
         """(rows, nb, 32) uint8 5-bit values of a q5 weight from its planes (schema: q the low nibbles

@@ -14,7 +14,7 @@ from .schema import PinfFormatError
 
 
 class PinfReader:
-    """schema: check the header as a model's (types, bounds, graphs: schema.header_problem); False
+    """schema: check the header as a model's (types, bounds: schema.header_problem); False
     reads the container alone, for the format's own tests."""
 
     def __init__(self, path, schema=True):
@@ -45,8 +45,10 @@ class PinfReader:
             raise PinfFormatError(f"{self.path} does not start with the .pinf magic (found {magic[:8]!r}); "
                                   "pass a file written by `pinfer convert`")
         if version != S.FORMAT_VERSION:
+            why = (" (version 1 files carry ONNX graphs, which this pinfer no longer runs: it builds its own)"
+                   if version == 1 else "")
             raise PinfFormatError(f"{self.path} is .pinf format version {version}, this pinfer reads "
-                                  f"version {S.FORMAT_VERSION}; convert the model again with this pinfer")
+                                  f"version {S.FORMAT_VERSION}{why}; convert the model again with this pinfer")
         if not (S.PREAMBLE_SIZE <= off and length <= S.MAX_HEADER_BYTES and off + length <= self.size):
             self._fail(f"the header (offset {off}, {length} bytes) lies outside the {self.size}-byte file")
         blob = self._mm[off:off + length]
@@ -125,16 +127,6 @@ class PinfReader:
         has packed its own, the copies do not count twice in the process's memory."""
         if hasattr(mmap, "MADV_DONTNEED"):
             self._mm.madvise(mmap.MADV_DONTNEED)
-
-    def graph_bytes(self, name):
-        """The serialized onnx.ModelProto of graph `name` (a key of the header's "graphs"), checked
-        against its digest: a damaged graph would otherwise reach ONNX's parser."""
-        tensor = self.header["graphs"][name]
-        data = self.tensor(tensor).tobytes()
-        if hashlib.sha256(data).hexdigest() != self.tensors[tensor]["sha256"]:
-            self._fail(f"the graph {name!r} is damaged (its checksum does not match; `pinfer verify` names "
-                       "every damaged section)")
-        return data
 
     def verify(self, progress=None):
         """Check every byte: each tensor against its checksum, and the padding around them (which

@@ -16,7 +16,9 @@ Layout (little-endian):
 
 The header is a JSON object with the keys in HEADER_KEYS. Its "tensors" entry is the directory:
 name -> {"dtype", "shape", "offset", "nbytes", "sha256"}; every offset is absolute, aligned, and
-inside the file. ONNX graphs are stored as uint8 tensors named GRAPH.format(name).
+inside the file. The file holds data only: the runtime builds the ONNX graphs it runs from the
+config and the block formats (runtime/graphs.py). Version 1 files carried graphs of their own; a
+version-2 reader refuses them with a sentence that says to convert again.
 """
 
 import struct
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"PINF\x00\r\n\x1a"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ALIGNMENT = 4096
 PREAMBLE = struct.Struct("<8sII QQ32s")
 PREAMBLE_SIZE = 128
@@ -46,8 +48,7 @@ DTYPES = {
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 # "weights" maps each block-format weight base name to its format (a key of BLOCK_FORMATS).
-HEADER_KEYS = ("config", "tokenizer", "weights", "ffn", "sparsity", "layers", "plan", "graphs", "provenance",
-               "tensors")
+HEADER_KEYS = ("config", "tokenizer", "weights", "ffn", "sparsity", "layers", "plan", "provenance", "tensors")
 
 # Weight block formats. A weight W of shape (rows, K) in format F is stored as the tensors
 # `{base}.{part}` for each part of F, with these shapes (K is the reduction axis of MatMulNBits'
@@ -144,7 +145,6 @@ FFN_PRED_B2 = "blk.{}.ffn_pred_b2"          # (n_ff,) f32
 FFN_FREQ = "ffn_freq"                       # (n_layer, n_ff) f32 calibrated activation frequency,
                                             # file order (sorted hottest first in reordered layers)
 ROPE_FREQS = "rope_freqs"                  # (rotary_dim/2,) Llama 3 frequency divisors, optional
-GRAPH = "graph.{}"                          # serialized onnx.ModelProto, u8 (nbytes,)
 
 # Sparsity modes a layer can run in (header "layers"[i]["mode"], with "value"):
 #   dense      every neuron
@@ -196,7 +196,7 @@ def parse_mode(text):
         raise ValueError(f"sparsity {text!r}: the value must lie strictly between 0 and 1")
     return mode, v
 
-# Graph names: one per layer plus the head.
+# Names of the graphs the runtime builds: one per layer plus the head.
 LAYER_GRAPH = "layer.{}"
 HEAD_GRAPH = "head"
 
@@ -227,7 +227,7 @@ def header_problem(h):
     from .config import ModelConfig
 
     types = {"config": dict, "tokenizer": dict, "weights": dict, "ffn": dict, "sparsity": dict, "layers": list,
-             "plan": dict, "graphs": dict, "provenance": dict, "tensors": dict}
+             "plan": dict, "provenance": dict, "tensors": dict}
     for key, typ in types.items():
         if not isinstance(h[key], typ):
             return f"the header's {key!r} is {type(h[key]).__name__}, not {typ.__name__}"
@@ -235,18 +235,12 @@ def header_problem(h):
         cfg = ModelConfig.from_dict(h["config"])
     except (ValueError, TypeError) as e:
         return str(e)
-    tensors = h["tensors"]
     for base, fmt in h["weights"].items():
         if fmt not in BLOCK_FORMATS:
             return f"the weight {base!r} has unknown block format {str(fmt)[:20]!r}"
-    want = {LAYER_GRAPH.format(i) for i in range(cfg.n_layer)} | {HEAD_GRAPH}
-    if set(h["graphs"]) != want:
-        return f"the header lists graphs for {len(h['graphs'])} parts, not the {cfg.n_layer} layers and the head"
-    for name, tensor in h["graphs"].items():
-        e = tensors.get(tensor) if isinstance(tensor, str) else None
-        if e is None or not str(tensor).startswith(GRAPH.format("")) or not isinstance(e, dict) \
-                or e.get("dtype") != "u8" or not isinstance(e.get("shape"), list) or len(e["shape"]) != 1:
-            return f"the graph {name!r} points at {str(tensor)[:40]!r}, which is not a stored graph"
+    problem = weights_problem(h, cfg)
+    if problem:
+        return problem
     layers = h["layers"]
     if layers and (len(layers) != cfg.n_layer or not all(
             isinstance(x, dict) and x.get("mode", "dense") in SPARSITY_MODES
@@ -258,8 +252,127 @@ def header_problem(h):
     if not isinstance(tok.get("model"), str) or not isinstance(tokens, list) or not tokens \
             or len(tokens) > cfg.vocab or not all(isinstance(t, str) for t in tokens):
         return f"the tokenizer is malformed (it needs a model name and up to {cfg.vocab} token strings)"
+    problem = _tokenizer_problem(tok)
+    if problem:
+        return f"the tokenizer is malformed ({problem})"
     hot = h["ffn"].get("hot_rows")
     if hot is not None and not (isinstance(hot, list) and all(isinstance(k, int) and not isinstance(k, bool)
                                                                for k in hot)):
         return "the header's ffn.hot_rows is not a list of whole numbers"
+    return None
+
+
+ROW_FORMATS = ("q4r", "q8r")     # groups along rows: only the down projection's neuron-major rows
+
+
+def _vectors(cfg):
+    """name -> exact shape of every f32 tensor the runtime reads besides the block weights (the
+    optional ones are checked when present)."""
+    d, hd, n_ff = cfg.d_model, cfg.head_dim, cfg.n_ff
+    per = 2 if cfg.ffn_gated else 1
+    out = {OUTPUT_NORM: [d], OUTPUT_NORM_BIAS: [d], ROPE_FREQS: [cfg.rotary_dim // 2], FFN_FREQ: [cfg.n_layer, n_ff],
+           POS_EMBD: [cfg.n_ctx_train, d]}
+    for i in range(cfg.n_layer):
+        out |= {ATTN_NORM.format(i): [d], FFN_NORM.format(i): [d], ATTN_NORM_BIAS.format(i): [d],
+                FFN_NORM_BIAS.format(i): [d], ATTN_QKV_BIAS.format(i): [(cfg.n_head + 2 * cfg.n_head_kv) * hd],
+                ATTN_OUT_BIAS.format(i): [d], FFN_GATE_UP_BIAS.format(i): [n_ff, per], FFN_DOWN_BIAS.format(i): [d],
+                ATTN_Q_NORM.format(i): [hd], ATTN_K_NORM.format(i): [hd], ATTN_POST_NORM.format(i): [d],
+                FFN_POST_NORM.format(i): [d], FFN_PRED_B2.format(i): [n_ff]}
+    return out
+
+
+def _matrices(cfg, weights, tensors):
+    """base -> (rows, k, per) of every block-format weight the file holds, as the config implies
+    (per: a bundle's rows per neuron, None for a plain matrix), or a problem sentence."""
+    d, hd, n_ff = cfg.d_model, cfg.head_dim, cfg.n_ff
+    per = 2 if cfg.ffn_gated else 1
+    out = {TOKEN_EMBD: (cfg.vocab, d, None), OUTPUT: (cfg.vocab, d, None)}
+    for i in range(cfg.n_layer):
+        out[ATTN_QKV.format(i)] = ((cfg.n_head + 2 * cfg.n_head_kv) * hd, d, None)
+        out[ATTN_OUT.format(i)] = (d, cfg.n_head * hd, None)
+        hot = n_ff
+        if FFN_GATE_UP_COLD.format(i) in weights:      # --quant mixed: a hot prefix, the rest cold
+            e = tensors.get(part_name(FFN_GATE_UP.format(i), "q" if weights.get(FFN_GATE_UP.format(i), "")[:1] == "q"
+                                      else "w"))
+            hot = e["shape"][0] if isinstance(e, dict) and e["shape"] else -1
+            if not 0 < hot < n_ff:
+                return f"layer {i}'s hot FFN part holds {hot} of its {n_ff} neurons"
+            out[FFN_GATE_UP_COLD.format(i)] = (n_ff - hot, d, per)
+            out[FFN_DOWN_T_COLD.format(i)] = (n_ff - hot, d, None)
+        out[FFN_GATE_UP.format(i)] = (hot, d, per)
+        out[FFN_DOWN_T.format(i)] = (hot, d, None)
+        w1 = tensors.get(part_name(FFN_PRED_W1.format(i), "q"))
+        if FFN_PRED_W1.format(i) in weights:
+            rank = w1["shape"][0] if isinstance(w1, dict) and w1["shape"] else 0
+            out[FFN_PRED_W1.format(i)] = (rank, d, None)
+            out[FFN_PRED_W2.format(i)] = (n_ff, rank, None)
+    return out
+
+
+def weights_problem(h, cfg):
+    """What is wrong with the file's weights for the model its config describes, or None: every
+    block-format weight has every part of its format, in the dtype and the exact shape that the
+    config implies, and every f32 tensor the runtime reads has its shape. Checked when the file is
+    opened, so no kernel, ONNX Runtime session or NumPy view meets a tensor of another size."""
+    weights, tensors = h["weights"], h["tensors"]
+    required = [TOKEN_EMBD] + ([] if cfg.tied_embeddings else [OUTPUT]) + [
+        name.format(i) for i in range(cfg.n_layer) for name in (ATTN_QKV, ATTN_OUT, FFN_GATE_UP, FFN_DOWN_T)]
+    missing = [b for b in required if b not in weights]
+    if missing:
+        return f"the weight {missing[0]!r} is missing"
+    for name in [OUTPUT_NORM] + [n.format(i) for i in range(cfg.n_layer) for n in (ATTN_NORM, FFN_NORM)]:
+        if name not in tensors:
+            return f"the tensor {name!r} is missing"
+    expected = _matrices(cfg, weights, tensors)
+    if isinstance(expected, str):
+        return expected
+    downs = {name.format(i) for i in range(cfg.n_layer) for name in (FFN_DOWN_T, FFN_DOWN_T_COLD)}
+    for base, fmt in weights.items():
+        if base not in expected:
+            return f"the weight {base[:60]!r} is not one a model of this configuration has"
+        rows, k, per = expected[base]
+        row_format = fmt in ROW_FORMATS
+        if row_format and base not in downs:
+            return f"the weight {base!r} is in {fmt}, a format only the down projection's rows use"
+        groups_ok = (rows % GROUP == 0) if row_format else (k % GROUP == 0 or fmt in ("f16", "f32"))
+        if rows <= 0 or not groups_ok:
+            return f"the weight {base!r} ({rows}, {k}) cannot be held in {fmt}"
+        for part, (dtype, shape) in block_parts(fmt, rows, k).items():
+            e = tensors.get(part_name(base, part))
+            if e is None:
+                if part in OPTIONAL_PARTS:
+                    continue
+                return f"the tensor {part_name(base, part)!r} of the {fmt} weight {base!r} is missing"
+            want = [rows, per, *block_parts(fmt, 1, k)[part][1][1:]] if per else list(shape)
+            if e["dtype"] != dtype or e["shape"] != want:
+                return (f"the tensor {part_name(base, part)!r} is {e['dtype']} {e['shape']}; the model's "
+                        f"configuration needs {dtype} {want}")
+    for name, shape in _vectors(cfg).items():
+        e = tensors.get(name)
+        if e is not None and (e["dtype"] != "f32" or e["shape"] != shape):
+            return f"the tensor {name!r} is {e['dtype']} {e['shape']}; the model's configuration needs f32 {shape}"
+    return None
+
+
+def _tokenizer_problem(tok):
+    """What is wrong with the types of the tokenizer's fields besides its tokens, or None."""
+    n = len(tok["tokens"])
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)     # noqa: E731
+    for key in ("bos_id", "eos_id", "eot_id", "eom_id", "unk_id", "pad_id"):
+        v = tok.get(key)
+        if v is not None and not (is_int(v) and 0 <= v < n):
+            return f"{key} is not a token id"
+    for key in ("pre", "chat_template", "hf_tokenizer"):
+        if tok.get(key) is not None and not isinstance(tok[key], str):
+            return f"{key} is not text"
+    for key in ("add_bos", "add_eos", "add_space_prefix"):
+        if tok.get(key) is not None and not isinstance(tok[key], bool):
+            return f"{key} is not true or false"
+    lists = {"token_type": is_int, "merges": lambda v: isinstance(v, str),
+             "scores": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key, ok in lists.items():
+        v = tok.get(key)
+        if (v is not None or (key == "token_type" and key in tok)) and not (isinstance(v, list) and all(ok(x) for x in v)
+                                  and (key == "merges" or len(v) == n)):
+            return f"{key} is not a list of {n} entries of its type" if key != "merges" else "merges is not text"
     return None

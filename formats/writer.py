@@ -1,13 +1,14 @@
 """Writes a `.pinf` file: tensors stream out as they are made, the header goes last.
 
 The writer is a small state machine (open -> tensors -> finished) that refuses calls in the wrong
-order. It writes to `<dest>.partial`, fsyncs and renames, so the destination either holds a
-complete file or is untouched.
+order. It writes to `<dest>.partial` (created afresh: see create_new), fsyncs and renames, so the
+destination either holds a complete file or is untouched.
 """
 
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,22 @@ def partial_path(dest):
     return dest.with_name(dest.name + ".partial")
 
 
+def create_new(path):
+    """A file object writing a file that this call creates at `path`. Whatever sits at that name
+    (a file left by a killed run, or a symlink someone planted there) is removed, never followed:
+    unlink removes a link, not its target, and O_EXCL|O_NOFOLLOW refuses to open anything this
+    call did not just create. A directory there is an error."""
+    path = Path(path)
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            raise IsADirectoryError(f"{path} is a directory; remove it or write the output elsewhere")
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags, 0o644), "wb")
+
+
 class PinfWriter:
     """replace: whether finish() may replace a file that exists at dest by then (False: it refuses,
     atomically, even if the file appeared while this one was being written)."""
@@ -27,7 +44,7 @@ class PinfWriter:
     def __init__(self, dest, replace=True):
         self.dest, self.replace = Path(dest), replace
         self.tmp = partial_path(self.dest)
-        self._f = open(self.tmp, "wb")
+        self._f = create_new(self.tmp)
         self._f.write(b"\0" * S.ALIGNMENT)  # preamble slot, filled in by finish()
         self._dir = {}
         self._state = "open"

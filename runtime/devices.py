@@ -7,9 +7,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from . import placement
+from pinfer.formats import PinfFormatError
+
+from . import graphs, placement
 from .options import Note
-from .ort import Bound, DeviceEmulation, drop_output, session_options
+from .ort import ORT_ERRORS, Bound, DeviceEmulation, drop_output, one_line, session_options
 
 
 class Devices:
@@ -81,7 +83,7 @@ class Devices:
     def session(self, graph, threads, attention_only=False):
         """A Bound session of the file's graph `graph` for the dense part's place: attention_only
         drops the FFN's h output and everything only it needs."""
-        proto = onnx.load_from_string(self.reader.graph_bytes(graph))
+        proto = graphs.build(self.reader.path, self.reader.header, self.cfg, graph)
         if attention_only:
             drop_output(proto.graph, "ffn_h")
         halved = set()
@@ -106,12 +108,17 @@ class Devices:
             providers = [("CUDAExecutionProvider", {"device_id": "0",
                                                     "user_compute_stream": str(int(self.gpu.stream))}),
                          "CPUExecutionProvider"]
-        sess = ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
+        what = f"the {graph} graph of {self.reader.path}"
+        try:
+            sess = ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
+        except ORT_ERRORS as e:
+            raise PinfFormatError(f"ONNX Runtime cannot load {what}: {one_line(e)}; re-run `pinfer convert` "
+                                  "to make a new file") from None
         if self.dense == "gpu" and sess.get_providers()[0] != "CUDAExecutionProvider":
             from pinfer.kernels.gpu import GpuError
             raise GpuError("ONNX Runtime could not start its CUDA provider (are CUDA 13 and cuDNN 9 installed? "
                            "see README.md); run with --device cpu, or fix the CUDA install")
-        bound = Bound(sess, DeviceEmulation.host_read(proto.graph) if self.act_at == "emulated" else None)
+        bound = Bound(sess, DeviceEmulation.host_read(proto.graph) if self.act_at == "emulated" else None, what)
         bound.keep["initializers"] = values   # ORT uses these buffers; keep them alive
         return bound
 

@@ -13,6 +13,25 @@ from pinfer.formats.onnx_graph import F32, GraphBuilder
 from pinfer.formats.reader import huge_empty
 
 
+from onnxruntime.capi import onnxruntime_pybind11_state as _state
+
+# What ONNX Runtime raises (its own classes derive from Exception alone; a failed run raises
+# RuntimeError): caught where a session is made or run, and said as one sentence naming the graph.
+ORT_ERRORS = (RuntimeError,) + tuple(getattr(_state, n) for n in ("Fail", "InvalidArgument", "NoSuchFile", "NoModel", "EngineError",
+                                                "RuntimeException", "InvalidProtobuf", "ModelLoaded",
+                                                "NotImplemented", "InvalidGraph", "EPFail") if hasattr(_state, n))
+
+
+class GraphError(ValueError):
+    """ONNX Runtime failed while running one of the runtime's graphs."""
+
+
+def one_line(e, limit=300):
+    """The first line of an exception's message, at most `limit` characters."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 _shared_arena = False
 _arena_lock = threading.Lock()     # loading makes sessions on several threads (loading.load_map)
 
@@ -33,6 +52,7 @@ def session_options(threads):
     _register_shared_arena()
     so = ort.SessionOptions()
     so.add_session_config_entry("session.use_env_allocators", "1")
+    so.log_severity_level = 4       # errors reach the user as one sentence (ORT_ERRORS), not as log lines
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -184,11 +204,12 @@ class Bound:
     snapshot: under DeviceEmulation, the input names the device reads on the host; every other
     host input is copied when bound, as ONNX Runtime's CUDA provider does."""
 
-    def __init__(self, session, snapshot=None):
-        self.sess = session
+    def __init__(self, session, snapshot=None, what="a graph"):
+        self.sess, self.what = session, what
         self.io = session.io_binding()
         self._run = session._sess.run_with_iobinding   # the raw call: ~2 µs against ~50 µs
         self._ro = ort.RunOptions()
+        self._ro.log_severity_level = 4
         self.keep = {}
         self.snapshot = snapshot
 
@@ -204,7 +225,10 @@ class Bound:
         self.io.bind_ortvalue_output(name, array.ov if isinstance(array, Buf) else ort.OrtValue.ortvalue_from_numpy(array))
 
     def run(self):
-        self._run(self.io._iobinding, self._ro)
+        try:
+            self._run(self.io._iobinding, self._ro)
+        except ORT_ERRORS as e:     # a try costs nothing until it catches (Python 3.11)
+            raise GraphError(f"ONNX Runtime failed running {self.what}: {one_line(e)}") from None
 
 
 def drop_output(graph, name):

@@ -256,7 +256,11 @@ class Tokenizer:
                              f"{len(spec['token_type'])} token types; re-convert the model.")
         make_encoder, make_pieces = _BUILDERS[model]
         if "hf_tokenizer" in spec:  # the model's own tokenizer.json: its ids are the truth
-            hf = HFTokenizer.from_str(spec["hf_tokenizer"])
+            try:
+                hf = HFTokenizer.from_str(spec["hf_tokenizer"])
+            except Exception as e:      # the tokenizers library raises plain Exception on bad JSON
+                raise ValueError(f"the file's tokenizer.json cannot be read ({str(e)[:200]}); re-convert the "
+                                 "model") from None
         else:
             hf = make_encoder(spec)
             _register_added_tokens(hf, spec["tokens"], spec["token_type"])

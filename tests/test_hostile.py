@@ -92,6 +92,45 @@ def test_interrupted_convert_leaves_no_partial_output(tmp_path, sig):
     assert PinfReader(dest).verify() == [] and not partial_path(dest).exists()
 
 
+def _convert_cli(*args):
+    return subprocess.run([sys.executable, "-m", "pinfer", "convert", *map(str, args), "--sparsity", "none"],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("target", ["dangling", "existing file"])
+def test_convert_never_follows_a_symlink_at_its_partial_name(tmp_path, target):
+    src = make_tiny_llama_gguf(tmp_path / "t.gguf", qtype="Q8_0")
+    dest, elsewhere = tmp_path / "out" / "t.pinf", tmp_path / "elsewhere.bin"
+    dest.parent.mkdir()
+    if target == "existing file":
+        elsewhere.write_bytes(b"keep me")
+    partial_path(dest).symlink_to(elsewhere)
+    r = _convert_cli(src, "-o", dest)
+    assert r.returncode == 0, r.stderr
+    assert not dest.is_symlink() and PinfReader(dest).verify() == []
+    assert not os.path.lexists(partial_path(dest))
+    if target == "existing file":
+        assert elsewhere.read_bytes() == b"keep me"
+    else:
+        assert not os.path.lexists(elsewhere)
+    assert [p.name for p in dest.parent.iterdir() if not p.name.startswith("t.pinf.report")] == ["t.pinf"]
+
+
+@pytest.mark.parametrize("how", ["same name", "symlink to the source", "hard link"])
+def test_convert_refuses_to_write_over_its_source_even_with_force(tmp_path, how):
+    src = make_tiny_llama_gguf(tmp_path / "t.gguf", qtype="Q8_0")
+    before = src.read_bytes()
+    out = src if how == "same name" else tmp_path / "o.pinf"
+    if how == "symlink to the source":
+        out.symlink_to(src)
+    elif how == "hard link":
+        os.link(src, out)
+    r = _convert_cli(src, "-o", out, "--force")
+    assert r.returncode == 1 and "is the source model itself" in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    assert src.read_bytes() == before and not os.path.lexists(partial_path(out))
+
+
 def header_with(tmp_path, **kw):
     src = make_tiny_llama_gguf(tmp_path / "h.gguf", qtype="Q8_0", **kw)
     return src, bytearray(src.read_bytes())

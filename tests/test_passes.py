@@ -330,7 +330,7 @@ def test_mixed_keeps_the_planned_hot_prefix_in_fp16(tmp_path):
 
 # -- golden output --------------------------------------------------------------------------------
 # Two parts. "exact": hashes of everything that follows from the source weights by deterministic
-# code (config, graphs, format, quantized and permuted tensors). "measured": the figures that come
+# code (config, format, quantized and permuted tensors). "measured": the figures that come
 # from floating-point calibration and predictor training, which differ in their last bits between
 # CPUs (AVX-512 on Intel and on AMD reduce in different orders); they are compared with tolerances.
 
@@ -354,7 +354,7 @@ def _fingerprint(path):
                                                    "predictor_bytes": info["predictor"]["bytes"]}
               for info in h["layers"]]
     entries = {"config": h["config"], "tokenizer": h["tokenizer"], "weights": h["weights"], "ffn": h["ffn"],
-               "sparsity": sparsity, "layers": layers, "plan": h["plan"], "graphs": h["graphs"]}
+               "sparsity": sparsity, "layers": layers, "plan": h["plan"]}
     exact = {f"header.{k}": _digest(v) for k, v in entries.items()}
     for name, e in sorted(h["tensors"].items()):
         trained = any(t in name for t in TRAINED)

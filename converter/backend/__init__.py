@@ -1,2 +1,2 @@
-"""The converter's back end: the ONNX graphs of the file, the verification of the written file
+"""The converter's back end: the verification of the written file
 through the runtime, and the report."""

@@ -9,6 +9,7 @@ import numpy as np
 
 from pinfer.converter.passes import CALIB_TOKENS_MAX
 from pinfer.formats import blocks
+from pinfer.formats.writer import create_new, partial_path
 
 
 def _echo(msg):
@@ -49,8 +50,9 @@ def dry_run(src, T, cfg, opts, out):
 
 
 def _atomic_write(path, data):
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_bytes(data)
+    tmp = partial_path(path)
+    with create_new(tmp) as f:
+        f.write(data)
     os.replace(tmp, path)
 
 
@@ -162,7 +164,8 @@ def _point(lay):
 def _save(fig, path):
     import matplotlib.pyplot as plt
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".partial")
-    fig.savefig(tmp, dpi=110, format="png")
+    tmp = partial_path(path)
+    with create_new(tmp) as f:
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     os.replace(tmp, path)

@@ -1,13 +1,18 @@
-"""Back end: the dense ONNX graphs, one per layer and one for the head (docs/design.md §4),
-built with formats/onnx_graph.py, which says how each block format becomes ONNX Runtime ops.
-Weights are not inside the graphs: each initializer is a placeholder for a tensor of the `.pinf`
-directory, bound by the runtime to a view of the memory map.
+"""The dense ONNX graphs the runtime runs, one per layer and one for the head (docs/design.md §4),
+built at load from the header's config and block formats with formats/onnx_graph.py, which says how
+each block format becomes ONNX Runtime ops. A `.pinf` file holds data only (format version 2): no
+graph in it reaches ONNX Runtime, so a crafted file cannot ask for ops, loops or shapes of its own,
+and a newer runtime runs files people already have with its newer graphs.
+Weights are not inside the graphs: each initializer is a placeholder for a tensor of the file's
+directory, bound by the runtime to a view of the memory map. Every tensor a graph uses is checked
+against the shape the config implies when the file is opened (schema.weights_problem).
 """
 
 import numpy as np
 from onnx import TensorProto
 
 from pinfer.formats import schema as S
+from pinfer.formats.schema import PinfFormatError
 from pinfer.formats.onnx_graph import F32, GraphBuilder
 
 
@@ -161,7 +166,17 @@ def head_graph(cfg, weights, directory):
     return b.build()
 
 
-def serialize(model):
-    # onnx.checker insists that external data be a readable file, which the placeholders are
-    # not; ONNX Runtime validates each graph when the converter's verification step loads it.
-    return model.SerializeToString()
+def build(path, header, cfg, name):
+    """The ModelProto of graph `name` (S.LAYER_GRAPH.format(i) or S.HEAD_GRAPH) for the file at
+    `path` whose checked header is `header` (cfg: its ModelConfig). Raises PinfFormatError, naming
+    the file, when a tensor the graph needs is missing or not of the shape the config implies."""
+    weights, directory = header["weights"], header["tensors"]
+    try:
+        if name == S.HEAD_GRAPH:
+            return head_graph(cfg, weights, directory)
+        return layer_graph(cfg, int(name.rsplit(".", 1)[1]), weights, directory)
+    except KeyError as e:
+        raise PinfFormatError(f"{path}: the tensor {e.args[0]!r} that the {name} graph needs is missing; "
+                              "re-run `pinfer convert` to make a new file") from None
+    except ValueError as e:
+        raise PinfFormatError(f"{path}: {e}; re-run `pinfer convert` to make a new file") from None
