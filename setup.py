@@ -8,7 +8,8 @@ setup(
             "pinfer.kernels._kernels",
             sources=["pinfer/kernels/csrc/ffn_down.c", "pinfer/kernels/csrc/ffn_sparse.c",
                      "pinfer/kernels/csrc/decode.c", "pinfer/kernels/csrc/pool.c"],
-            depends=["pinfer/kernels/csrc/half.h", "pinfer/kernels/csrc/pool.h", "pinfer/kernels/csrc/dots.h"],
+            depends=["pinfer/kernels/csrc/half.h", "pinfer/kernels/csrc/pool.h", "pinfer/kernels/csrc/dots.h",
+                     "pinfer/kernels/csrc/codes.h"],
             extra_compile_args=["-O3", "-pthread", "-std=c11", "-fno-math-errno"],
             extra_link_args=["-pthread"],
         )

@@ -159,7 +159,7 @@ ROPE_FREQS = "rope_freqs"                  # (rotary_dim/2,) Llama 3 frequency d
 @dataclass(frozen=True)
 class Mode:
     """What a sparsity mode computes: the one table every part of pinfer reads."""
-    code: int           # its number in the C and CUDA kernels (MODE_* in ffn_sparse.c)
+    code: int           # its number in the C and CUDA kernels (MODE_* in pinfer/kernels/csrc/codes.h)
     candidates: str     # the neurons considered: "all", the "predictor"'s, or those "given"
     rule: str           # which of them reach the down projection: "all", "threshold" (|h| >= t), "nonzero"
 

@@ -30,7 +30,36 @@ def _load():
     for fn in ("pinfer_attn_call", "pinfer_head_call", "pinfer_attn_work", "pinfer_head_work"):
         getattr(lib, fn).argtypes = [p]
         getattr(lib, fn).restype = i64 if fn.endswith("_work") else c_int
+    check_abi(lib)
     return lib
+
+
+def abi():
+    """{name: number} this Python code shares with the C library: the codes of csrc/codes.h and the
+    size of every struct it mirrors with ctypes (names as pinfer_abi in ffn_sparse.c takes them)."""
+    from . import decode
+    out = {f"fmt.{f}": c for f, c in FORMAT_CODES.items()}
+    out.update({f"mode.{m}": spec.code for m, spec in S.MODES.items()})
+    out.update({f"act.{a}": c for c, a in enumerate(ACTIVATIONS)})
+    out.update({f"rule.{r}": c for r, c in RULES.items()})
+    structs = {"ffn_call_t": _Call, "rows_t": _Rows, "linear_t": decode._Linear, "attn_call_t": decode._AttnCall,
+               "head_call_t": decode._HeadCall}
+    out.update({f"sizeof.{name}": ctypes.sizeof(t) for name, t in structs.items()})
+    return out
+
+
+def check_abi(lib):
+    """Raise ImportError, one sentence, where the loaded library's codes or struct sizes are not abi()'s."""
+    stale = "pinfer's C library was built from other sources than this Python code"
+    try:
+        f = lib.pinfer_abi
+    except AttributeError:
+        raise ImportError(f"{stale}: it has no pinfer_abi; reinstall pinfer") from None
+    f.argtypes, f.restype = [ctypes.c_char_p], ctypes.c_int64
+    wrong = [f"{name} is {there if there >= 0 else 'unknown'} there and {here} here"
+             for name, here in abi().items() if (there := f(name.encode())) != here]
+    if wrong:
+        raise ImportError(f"{stale}: {', '.join(wrong)}; reinstall pinfer")
 
 
 class _Library:
@@ -49,9 +78,12 @@ _lib = _Library()
 MAX_D = 65536   # d_model the sparse FFN's stack buffers hold (ffn_sparse.c)
 MAX_BATCH = 64  # tokens of one batch call (ffn_sparse.c: a neuron's tokens are one 64-bit mask)
 
-# block format (formats/schema.py) -> its number in the kernels (fmt codes of ffn_down.c, ffn_sparse.c
-# and ffn_hot.cu); every shape the wrappers check comes from schema.block_parts
+# The numbers the kernels take, as csrc/codes.h defines them (check_abi compares them when the
+# library loads); a mode's are schema.MODES' codes. Block format (formats/schema.py) -> FMT_*; every
+# shape the wrappers check comes from schema.block_parts.
 FORMAT_CODES = {"q8": 0, "q8r": 1, "q4r": 2, "f16": 3, "f32": 4, "q4": 5, "q5": 6}
+ACTIVATIONS = ("silu", "relu", "gelu")               # ACT_*: the index
+RULES = {"all": 0, "threshold": 1, "nonzero": 2}     # a Mode's rule -> RULE_* (the GPU kernels')
 GATE_UP_FORMATS = ("q4", "q5", "f16", "f32")      # gate_up (n_ff, 2, d): formats grouped along d
 SPARSE_DOWN = ("q8", "q4", "q4r", "f16", "f32")   # down_t formats the sparse FFN reads
 PREDICTOR_FORMATS = ("q8", "q4")                  # a predictor's W1 and W2, both in one of them
@@ -152,9 +184,6 @@ def sparse_isa(want=None):
     """The instruction set the sparse kernels use; `want` ("portable", "avx2", "avx512") forces a
     lower one (tests), and the best the CPU has is used when it lacks the one asked for."""
     return ISAS[_lib.pinfer_sparse_isa(-1 if want is None else ISAS.index(want))]
-
-
-ACTIVATIONS = ("silu", "relu", "gelu")     # the codes of ffn_sparse.c's and ffn_hot.cu's ACT_*
 
 
 class SparseFFN:

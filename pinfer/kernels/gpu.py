@@ -2,8 +2,9 @@
 launched through the CUDA driver API of cuda-python (the `gpu` extra). Nothing here needs torch,
 and everything but `Gpu` and `HotFFN` works on a machine without a GPU.
 
-The cache key is the source's hash, the target architecture, NVRTC's version and the compile
-options: ~/.cache/pinfer/cuda/ffn_hot-sm_75-<key>.cubin ($PINFER_CACHE moves ~/.cache/pinfer).
+The cache key is the hash of the source and of csrc/codes.h (the codes it shares with the C kernels,
+given to NVRTC as "codes.h"), the target architecture, NVRTC's version and the compile options:
+~/.cache/pinfer/cuda/ffn_hot-sm_75-<key>.cubin ($PINFER_CACHE moves ~/.cache/pinfer).
 """
 
 import ctypes
@@ -16,16 +17,16 @@ import numpy as np
 
 from pinfer.formats import blocks
 from pinfer.formats import schema as S
-from pinfer.kernels import ACTIVATIONS, FORMAT_CODES, GATE_UP_FORMATS, SPARSE_DOWN
+from pinfer.kernels import ACTIVATIONS, FORMAT_CODES, GATE_UP_FORMATS, RULES, SPARSE_DOWN
 
 SOURCE = Path(__file__).with_name("cuda") / "ffn_hot.cu"
+HEADER = Path(__file__).with_name("csrc") / "codes.h"      # #include "codes.h" in SOURCE
 KERNELS = ("pinfer_pred_hidden", "pinfer_select", "pinfer_quantize_x", "pinfer_gate_up", "pinfer_activate", "pinfer_axpy",
            "pinfer_axpy_det", "pinfer_merge")
 OPTIONS = ("--std=c++17", "-default-device")   # no fast math: denormal h must survive as on the CPU
 ALIGN = 256            # every device buffer starts on this boundary (cudaMalloc's own)
 GU_FORMATS = {f: FORMAT_CODES[f] for f in GATE_UP_FORMATS}             # the same codes in ffn_hot.cu
 DOWN_FORMATS = {f: FORMAT_CODES[f] for f in SPARSE_DOWN}    # the CPU computes the cold half's down_t too
-RULES = {"all": 0, "threshold": 1, "nonzero": 2}                      # a Mode's rule, as in ffn_hot.cu
 THREADS = 256
 
 
@@ -77,18 +78,18 @@ class Compiled:
 def compile_kernels(arch, cache=None):
     """ffn_hot.cu for sm_<arch> (75 = Turing): a cubin where this NVRTC knows the architecture,
     else PTX for the newest one it knows (the driver compiles that for the device)."""
-    source = SOURCE.read_bytes()
+    source, header = SOURCE.read_bytes(), HEADER.read_bytes()
     archs = supported_archs()
     if arch < min(archs):
         raise GpuError(f"this NVRTC {nvrtc_version()} compiles for sm_{min(archs)} upward, not sm_{arch}; "
                        "install an NVRTC that supports the GPU")
     kind, target = ("cubin", arch) if arch in archs else ("ptx", max(a for a in archs if a <= arch))
-    key = hashlib.sha256(b"|".join([source, f"{kind}{target}".encode(), repr(nvrtc_version()).encode(),
+    key = hashlib.sha256(b"|".join([source, header, f"{kind}{target}".encode(), repr(nvrtc_version()).encode(),
                                     *(o.encode() for o in OPTIONS)])).hexdigest()[:20]
     path = Path(cache or cache_dir()) / f"ffn_hot-sm_{target}-{key}.{kind}"
     if path.exists():
         return Compiled(path.read_bytes(), kind, target, path, True)
-    image = _compile(source, kind, target)
+    image = _compile(source, header, kind, target)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
     tmp.write_bytes(image)
@@ -96,9 +97,9 @@ def compile_kernels(arch, cache=None):
     return Compiled(image, kind, target, path, False)
 
 
-def _compile(source, kind, arch):
+def _compile(source, header, kind, arch):
     nvrtc = _nvrtc()
-    prog = _check(nvrtc.nvrtcCreateProgram(source, b"ffn_hot.cu", 0, [], []), "nvrtcCreateProgram")
+    prog = _check(nvrtc.nvrtcCreateProgram(source, b"ffn_hot.cu", 1, [header], [b"codes.h"]), "nvrtcCreateProgram")
     try:
         gpu = f"sm_{arch}" if kind == "cubin" else f"compute_{arch}"
         opts = [f"--gpu-architecture={gpu}".encode(), *(o.encode() for o in OPTIONS)]

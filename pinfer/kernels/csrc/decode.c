@@ -30,12 +30,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "codes.h"
 #include "dots.h"
 #include "half.h"
 #include "pool.h"
 
-
-enum { FMT_Q8 = 0, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5, FMT_Q5 = 6 };  /* as in ffn_sparse.c */
 
 /* linear_t: dots.h */
 
@@ -527,4 +526,10 @@ int pinfer_head_call(const head_call_t *a) {
     if (a->softcap > 0.0f)
         for (int64_t i = 0; i < a->w.rows; i++) a->logits[i] = a->softcap * tanhf(a->logits[i] / a->softcap);
     return 0;
+}
+
+int64_t pinfer_decode_abi(const char *name) {
+    if (!strcmp(name, "sizeof.attn_call_t")) return sizeof(attn_call_t);
+    if (!strcmp(name, "sizeof.head_call_t")) return sizeof(head_call_t);
+    return -1;
 }

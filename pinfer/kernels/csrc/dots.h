@@ -169,5 +169,7 @@ float pinfer_dot_f16(const uint16_t *w, const float *x, int64_t d);
 void pinfer_quantize_natural(const float *x, int64_t d, qx_t *o);
 float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa, const uint8_t *next);
 float pinfer_dot_f32(const float *w, const float *x, int64_t d);
+/* decode.c's part of pinfer_abi (ffn_sparse.c): the sizes of its structs, or -1. */
+int64_t pinfer_decode_abi(const char *name);
 
 #endif

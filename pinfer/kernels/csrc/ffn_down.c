@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "codes.h"
 #include "half.h"
 #include "pool.h"
 
@@ -35,8 +36,6 @@
 #define G 32
 #define TOK_TILE 4     /* tokens sharing one conversion of a weight row */
 #define COL_CHUNK 512  /* output columns per work unit */
-
-enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5 };
 
 PINFER_CLONES
 static void halves_to_floats(const uint16_t *src, float *restrict dst, int64_t n) {

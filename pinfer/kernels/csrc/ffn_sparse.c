@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "codes.h"   /* FMT_* (q5: gate/up only), MODE_*, ACT_* */
 #include "dots.h"
 #include "half.h"
 #include "pool.h"
@@ -49,11 +50,6 @@
    benchmarks/decode_profile.py's kernel time per token on 2 threads went from 4.60 to 3.17 ms, and
    benchmarks/sparse_kernel.py --shapes smollm2 --formats int4 --fractions 1 from 14.2 to 16.7 GB/s.
    (PARALLEL_WORK is in dots.h: decode.c's loops share it.) */
-
-enum { FMT_Q8 = 0, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5, FMT_Q5 = 6 };  /* as in ffn_down.c;
-                                                                                    q5: gate/up only */
-enum { MODE_DENSE = 0, MODE_DOWN = 1, MODE_PREDICTED = 2, MODE_RELU = 3, MODE_GIVEN = 4 };
-enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
 
 /* -- activations --------------------------------------------------------------------------- */
 
@@ -1496,3 +1492,25 @@ void pinfer_q4_rows(const linear_t *w, const qx_t *qx, int64_t nt, float *out, i
 float pinfer_dot_f16(const uint16_t *w, const float *x, int64_t d) { return dot_f16(w, x, d, NULL); }
 
 float pinfer_dot_f32(const float *w, const float *x, int64_t d) { return dot_f32(w, x, d); }
+
+/* The number the library was built with for `name`: a code of codes.h ("fmt.q4", "mode.relu",
+   "act.gelu", "rule.all"), or the size of a struct Python mirrors with ctypes ("sizeof.ffn_call_t");
+   -1 for a name it does not know. pinfer/kernels/__init__.py checks its own on loading the library. */
+int64_t pinfer_abi(const char *name) {
+    static const struct {
+        const char *name;
+        int64_t value;
+    } table[] = {
+        {"fmt.q8", FMT_Q8}, {"fmt.q8r", FMT_Q8R}, {"fmt.q4r", FMT_Q4R}, {"fmt.f16", FMT_F16}, {"fmt.f32", FMT_F32},
+        {"fmt.q4", FMT_Q4}, {"fmt.q5", FMT_Q5},
+        {"mode.dense", MODE_DENSE}, {"mode.down", MODE_DOWN}, {"mode.predicted", MODE_PREDICTED},
+        {"mode.relu", MODE_RELU}, {"mode.given", MODE_GIVEN},
+        {"act.silu", ACT_SILU}, {"act.relu", ACT_RELU}, {"act.gelu", ACT_GELU},
+        {"rule.all", RULE_ALL}, {"rule.threshold", RULE_THRESHOLD}, {"rule.nonzero", RULE_NONZERO},
+        {"sizeof.ffn_call_t", sizeof(ffn_call_t)}, {"sizeof.rows_t", sizeof(rows_t)},
+        {"sizeof.linear_t", sizeof(linear_t)},
+    };
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
+        if (!strcmp(name, table[i].name)) return table[i].value;
+    return pinfer_decode_abi(name);
+}

@@ -1,5 +1,5 @@
 /* The hot neurons of one layer's sparse FFN on the GPU, one token (decode). CUDA C for NVRTC: no
- * headers, fp16 through PTX conversions (sm_75 upward; no bf16).
+ * system headers, fp16 through PTX conversions (sm_75 upward; no bf16).
  *
  * Layouts: the file's bundles (formats/schema.py, pinfer/kernels/csrc/ffn_sparse.c) cut to the hot prefix
  * of k neurons (k a multiple of 32); d = d_model, r = predictor rank, G = 32:
@@ -33,15 +33,13 @@
  * written at its neuron's index, so only pinfer_axpy's float additions depend on the order.
  */
 
+#include "codes.h"   /* FMT_*, ACT_*, RULE_*: pinfer/kernels/csrc/codes.h, handed to NVRTC by gpu.py */
+
 typedef unsigned char u8;
 typedef unsigned short f16;
 
 #define G 32
 #define AXPY_CHUNK 32
-
-enum { FMT_Q8 = 0, FMT_Q8R = 1, FMT_Q4R = 2, FMT_F16 = 3, FMT_F32 = 4, FMT_Q4 = 5, FMT_Q5 = 6 };   /* pinfer/kernels/__init__.py */
-enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
-enum { RULE_ALL = 0, RULE_THRESHOLD = 1, RULE_NONZERO = 2 };
 
 __device__ __forceinline__ float h2f(f16 h) {
     float f;
