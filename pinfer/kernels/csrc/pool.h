@@ -3,8 +3,8 @@
  * ONNX Runtime's threads between kernel calls.
  *
  * An entry point brackets its work with pinfer_pool_enter / pinfer_pool_leave; inside, each
- * pinfer_parallel call splits [0, n) into contiguous ranges, one per thread, the first run by the
- * caller. Between the parallel loops of one call the workers spin (the next loop starts without a
+ * pinfer_parallel call splits [0, n) into contiguous ranges, one per thread, each run by whichever
+ * thread claims it first (the caller too). Between the parallel loops of one call the workers spin (the next loop starts without a
  * wake-up); after pinfer_pool_leave they sleep until the next call wakes them. Which range a
  * thread runs never changes a result: the kernels give every output element to one range.
  */
