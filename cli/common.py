@@ -67,6 +67,9 @@ def placement_options(f):
                      help="Where the FFN kernel decodes a layer, run its attention, and the head of each new "
                           "token, through pinfer's C kernels (on; layers of a kind they lack stay on ONNX "
                           "Runtime) or through ONNX Runtime's sessions (off).")(f)
+    f = click.option("--kv-type", "-ctk", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
+                     help="The KV cache's values: f16 takes half of f32's memory (as llama.cpp's default "
+                          "cache, whose -ctk this is too).")(f)
     f = click.option("--vram-budget", type=float, default=None, metavar="GIB",
                      help="GiB of VRAM the GPU part may use (default: free VRAM minus 0.5 GiB); the plan is "
                           "printed at load.")(f)
@@ -83,7 +86,8 @@ def runtime_config(kw):
                           sparsity="dense" if kw.get("dense") else kw.get("sparsity", ""),
                           kernels=kw.get("ffn_kernel") or "auto", device=kw.get("device") or "auto",
                           vram_budget=kw.get("vram_budget"), dense_device=kw.get("dense_device") or "cpu",
-                          dense_kernel=kw.get("dense_kernel") or "on", verbose=bool(ctx and verbose(ctx)))
+                          dense_kernel=kw.get("dense_kernel") or "on", kv_type=kw.get("kv_type") or "f16",
+                          verbose=bool(ctx and verbose(ctx)))
 
 
 def sampling_options(f):

@@ -29,7 +29,9 @@ class Devices:
         self._free_before = self.dense_measured = 0
 
     def _place_buffers(self):
-        self.act_dtype = np.float16 if self.dense != "cpu" else np.float32   # resid, KV, RoPE tables
+        self.act_dtype = np.float16 if self.dense != "cpu" else np.float32   # resid, RoPE tables
+        # the KV cache: f16 unless the options ask for f32 on a dense part in FP32
+        self.kv_dtype = np.float16 if self.act_dtype == np.float16 or self.options.kv_type == "f16" else np.float32
         self.act_at = {"gpu": "cuda", "emulated-gpu": "emulated"}.get(self.dense, "cpu")
         # the dense part's buffers in device memory: the FFN steps reach them through `copier`
         self.on_device = self.act_at != "cpu"
@@ -83,7 +85,8 @@ class Devices:
     def session(self, graph, threads, attention_only=False):
         """A Bound session of the file's graph `graph` for the dense part's place: attention_only
         drops the FFN's h output and everything only it needs."""
-        proto = graphs.build(self.reader.path, self.reader.header, self.cfg, graph)
+        proto = graphs.build(self.reader.path, self.reader.header, self.cfg, graph,
+                             kv_f16=self.dense == "cpu" and self.kv_dtype == np.float16)
         if attention_only:
             drop_output(proto.graph, "ffn_h")
         halved = set()

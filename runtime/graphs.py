@@ -99,19 +99,28 @@ def qk_norm(b, cfg, layer, qkv):
     return b.node("Concat", [q, k, v], axis=2)
 
 
-def layer_graph(cfg, layer, weights, directory):
+def layer_graph(cfg, layer, weights, directory, kv_f16=False):
     """Layer `layer`: (resid, delta) -> (resid_out, ffn_h, ffn_x); delta is the previous FFN's output.
 
     resid_out = resid + delta + attention(...) (+ the down projection's bias); ffn_h (1, S, n_ff)
     = act(gate)*up, the input of the down projection, which pinfer's kernels compute from the
-    neuron-major ffn_down_t."""
+    neuron-major ffn_down_t.
+
+    kv_f16: the KV cache holds f16 values, the attention runs in f32 over them: the cached
+    positions (total_len - S of them) are cast to f32 for GroupQueryAttention, which returns the
+    whole present in f32 (not in place), and the graph outputs the S new positions' K and V in f16
+    (new_key, new_value) for the runtime to write into the cache (kv.AttentionState.write_back).
+    GroupQueryAttention in f16 instead (q, K, V and tables in one type) ran slower and cost
+    SmolLM2 0.15% of perplexity on the wikitext test text (27.034 against 26.993 over 20
+    chunks of 512); this costs it what the f16 values do."""
     b = GraphBuilder(S.LAYER_GRAPH.format(layer), directory)
     d, hd, hkv = cfg.d_model, cfg.head_dim, cfg.n_head_kv
     n_qkv = (cfg.n_head + 2 * hkv) * hd
+    kv = TensorProto.FLOAT16 if kv_f16 else F32
     resid = b.input("resid", F32, [1, "S", d])
     delta = b.input("delta", F32, [1, "S", d])
-    past_k = b.input("past_key", F32, [1, hkv, "T", hd])
-    past_v = b.input("past_value", F32, [1, hkv, "T", hd])
+    past_k = b.input("past_key", kv, [1, hkv, "T", hd])
+    past_v = b.input("past_value", kv, [1, hkv, "T", hd])
     seqlens = b.input("seqlens_k", TensorProto.INT32, [1])
     total = b.input("total_len", TensorProto.INT32, [])
     cos = b.input("cos_cache", F32, ["C", cfg.rotary_dim // 2])
@@ -124,18 +133,7 @@ def layer_graph(cfg, layer, weights, directory):
     qkv = add_bias(b, b.linear(x, qkv_base, weights[qkv_base], n_qkv, d), S.ATTN_QKV_BIAS.format(layer))
     if S.ATTN_Q_NORM.format(layer) in directory:
         qkv = qk_norm(b, cfg, layer, qkv)
-    rope = cfg.positions == "rope"
-    attrs = dict(num_heads=cfg.n_head, kv_num_heads=hkv, do_rotary=int(rope),
-                 rotary_interleaved=int(cfg.rope_interleaved))
-    if cfg.windowed(layer):
-        attrs["local_window_size"] = cfg.sliding_window
-    if cfg.attn_scale:
-        attrs["scale"] = cfg.attn_scale
-    if cfg.attn_softcap:
-        attrs["softcap"] = cfg.attn_softcap
-    attn, pk, pv = b.node("GroupQueryAttention",
-                          [qkv, "", "", past_k, past_v, seqlens, total] + ([cos, sin] if rope else []),
-                          n_out=3, domain="com.microsoft", **attrs)
+    attn, pk, pv = attention(b, cfg, layer, qkv, (past_k, past_v), (seqlens, total), (cos, sin), resid, kv_f16)
     o_base = S.ATTN_OUT.format(layer)
     o = add_bias(b, b.linear(attn, o_base, weights[o_base], d, cfg.n_head * hd), S.ATTN_OUT_BIAS.format(layer))
     o = post_norm(b, cfg, o, S.ATTN_POST_NORM.format(layer))
@@ -145,9 +143,38 @@ def layer_graph(cfg, layer, weights, directory):
     b.output(add_bias(b, r2, S.FFN_DOWN_BIAS.format(layer)), "resid_out", F32, [1, "S", d])
     b.output(h, "ffn_h", F32, [1, "S", cfg.n_ff])
     b.output(x2, "ffn_x", F32, [1, "S", d])     # the FFN input, for the predictors
-    b.output(pk, "present_key", F32, [1, hkv, "T", hd])
-    b.output(pv, "present_value", F32, [1, hkv, "T", hd])
+    present = ("new_key", "new_value") if kv_f16 else ("present_key", "present_value")
+    b.output(pk, present[0], kv, [1, hkv, "S" if kv_f16 else "T", hd])
+    b.output(pv, present[1], kv, [1, hkv, "S" if kv_f16 else "T", hd])
     return b.build()
+
+
+def attention(b, cfg, layer, qkv, past, lengths, tables, resid, kv_f16):
+    """(heads' output, present K, present V) of GroupQueryAttention over qkv and the cache `past`;
+    kv_f16 (layer_graph says how): the cached positions cast to f32 for it, and for present the
+    call's new positions only, rounded to f16."""
+    (past_k, past_v), (seqlens, total) = past, lengths
+    rope = cfg.positions == "rope"
+    attrs = dict(num_heads=cfg.n_head, kv_num_heads=cfg.n_head_kv, do_rotary=int(rope),
+                 rotary_interleaved=int(cfg.rope_interleaved))
+    if cfg.windowed(layer):
+        attrs["local_window_size"] = cfg.sliding_window
+    if cfg.attn_scale:
+        attrs["scale"] = cfg.attn_scale
+    if cfg.attn_softcap:
+        attrs["softcap"] = cfg.attn_softcap
+    if kv_f16:      # the cached positions, in f32: past = cache[:, :, :total_len - S]
+        total64 = b.node("Reshape", [b.node("Cast", [total], to=TensorProto.INT64), b.const(np.array([1]))])
+        cached = b.node("Sub", [total64, b.node("Shape", [resid], start=1, end=2)])
+        zero, axis = b.const(np.array([0])), b.const(np.array([2]))
+        past_k, past_v = (b.node("Cast", [b.node("Slice", [p, zero, cached, axis])], to=F32) for p in (past_k, past_v))
+    attn, pk, pv = b.node("GroupQueryAttention",
+                          [qkv, "", "", past_k, past_v, seqlens, total] + (list(tables) if rope else []),
+                          n_out=3, domain="com.microsoft", **attrs)
+    if kv_f16:      # the new positions' K and V, rounded to f16
+        pk, pv = (b.node("Cast", [b.node("Slice", [p, cached, total64, axis])], to=TensorProto.FLOAT16)
+                  for p in (pk, pv))
+    return attn, pk, pv
 
 
 def head_graph(cfg, weights, directory):
@@ -166,15 +193,16 @@ def head_graph(cfg, weights, directory):
     return b.build()
 
 
-def build(path, header, cfg, name):
+def build(path, header, cfg, name, kv_f16=False):
     """The ModelProto of graph `name` (S.LAYER_GRAPH.format(i) or S.HEAD_GRAPH) for the file at
-    `path` whose checked header is `header` (cfg: its ModelConfig). Raises PinfFormatError, naming
-    the file, when a tensor the graph needs is missing or not of the shape the config implies."""
+    `path` whose checked header is `header` (cfg: its ModelConfig; kv_f16: layer_graph's).
+    Raises PinfFormatError, naming the file, when a tensor the graph needs is missing or not of the
+    shape the config implies."""
     weights, directory = header["weights"], header["tensors"]
     try:
         if name == S.HEAD_GRAPH:
             return head_graph(cfg, weights, directory)
-        return layer_graph(cfg, int(name.rsplit(".", 1)[1]), weights, directory)
+        return layer_graph(cfg, int(name.rsplit(".", 1)[1]), weights, directory, kv_f16)
     except KeyError as e:
         raise PinfFormatError(f"{path}: the tensor {e.args[0]!r} that the {name} graph needs is missing; "
                               "re-run `pinfer convert` to make a new file") from None

@@ -22,9 +22,15 @@ def rope_tables(cfg, n_ctx, freq_divisors=None, local=False):
 
 
 class AttentionState:
-    def __init__(self, cfg, n_ctx, dtype, device, freq_divisors=None):
+    """dtype: the activations' (and the RoPE tables'); kv_dtype: the cache's (default dtype). An f16
+    cache under f32 activations is written by the C attention in place and, after each session,
+    from the graph's new_key/new_value outputs (write_back; graphs.layer_graph says why)."""
+
+    def __init__(self, cfg, n_ctx, dtype, device, freq_divisors=None, kv_dtype=None):
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
         kv_shape = (1, cfg.n_head_kv, n_ctx, cfg.head_dim)
-        self.kv = [(Buf(kv_shape, dtype, device), Buf(kv_shape, dtype, device)) for _ in range(cfg.n_layer)]
+        self.kv = [(Buf(kv_shape, kv_dtype, device), Buf(kv_shape, kv_dtype, device)) for _ in range(cfg.n_layer)]
+        self.writes_back = np.dtype(kv_dtype) != np.dtype(dtype)
         self.tables = {}          # local? -> (cos, sin), the windowed layers' own where they have one
         for local in sorted({cfg.rope_local(i) for i in range(cfg.n_layer)}):
             tables = rope_tables(cfg, n_ctx, freq_divisors, local)
@@ -52,8 +58,17 @@ class AttentionState:
             for name, a in (("past_key", k), ("past_value", v), ("seqlens_k", self.seqlens),
                             ("total_len", self.total), ("cos_cache", cos), ("sin_cache", sin)):
                 layer.bind_in(name, a)
-            layer.bind_out("present_key", k)
-            layer.bind_out("present_value", v)
+            if not self.writes_back:        # else Steps binds new_key/new_value per call
+                layer.bind_out("present_key", k)
+                layer.bind_out("present_value", v)
+
+    def write_back(self, i, new_k, new_v):
+        """Layer i's K and V of the call's tokens (1, n_kv, n, head_dim), from its session's
+        new_key/new_value, into the cache at their positions."""
+        n, end = new_k.shape[2], int(self.total)
+        k, v = self.kv[i]
+        k.np[:, :, end - n:end] = new_k
+        v.np[:, :, end - n:end] = new_v
 
     def layer(self, i):
         """Layer i's (K cache, V cache, cos table, sin table): its own base where it is windowed."""

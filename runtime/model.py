@@ -61,7 +61,7 @@ class Model:
             self.load_map(lambda i: down_projection(r, cfg, i, self.threads), cfg.n_layer)
         self.counters = Counters()
         self.attention = AttentionState(cfg, self.n_ctx, dv.act_dtype, dv.act_at,
-                                        r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None)
+                                        r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None, dv.kv_dtype)
         self.attention.bind(self.layers)
         # decode's attention and head through pinfer's C kernels where they cover the layer (native.py)
         ok = options.dense_kernel == "on" and dv.act_at == "cpu" and dv.act_dtype == np.float32

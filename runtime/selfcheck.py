@@ -136,6 +136,7 @@ def check_dense(dv, threads):
     cpu = copy.copy(dv)
     cpu.dense = "cpu"
     cpu._place_buffers()
+    cpu.kv_dtype = np.float32           # the reference in f32 throughout
     want = layer_outputs(cpu, threads, 0, resid, delta)
     held = dv.dense_weight_bytes
     try:
@@ -153,7 +154,8 @@ def layer_outputs(dv, threads, layer, resid, delta):
     cfg, at, d = dv.cfg, dv.act_at, dv.cfg.d_model
     sess = dv.session(S.LAYER_GRAPH.format(layer), threads, attention_only=True)
     r = dv.reader
-    state = AttentionState(cfg, CHECK_CTX, dv.act_dtype, at, r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None)
+    state = AttentionState(cfg, CHECK_CTX, dv.act_dtype, at, r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None,
+                           dv.kv_dtype)
     state.bind([None] * layer + [sess])
     state.set_lengths(0, 1)
     bufs = {name: Buf((1, 1, d), dtype, at) for name, dtype in (

@@ -23,6 +23,9 @@ class Steps:
         self.delta = Buf((1, n, d), np.float32, dv.act_at if self.on_device else "cpu")
         self.x = Buf((1, n, d), np.float32, dv.act_at if self.on_device else "cpu")
         self.h = np.zeros((1, n, model.cfg.n_ff), np.float32)
+        if model.attention.writes_back:     # the sessions' new K and V, every layer's in turn
+            kv = model.attention.kv[0][0]
+            self.new_kv = [np.empty((1, kv.shape[1], n, kv.shape[3]), kv.dtype) for _ in range(2)]
         if not (kernel and all(model.ffns)):
             ensure_graphs(model)
         self.by_layer = [self.layer(i, kernel and model.ffns[i] is not None) for i in range(model.cfg.n_layer)]
@@ -46,6 +49,11 @@ class Steps:
             layer.bind_out("resid_out", self.resid[(i + 1) % 2])
             layer.bind_out("ffn_x", self.x)
             attn = [layer.run]
+            if m.attention.writes_back:
+                state, (new_k, new_v) = m.attention, self.new_kv
+                layer.bind_out("new_key", new_k)
+                layer.bind_out("new_value", new_v)
+                attn.append(lambda: state.write_back(i, new_k, new_v))
         if kernel:
             return attn + [self._kernel(i, entry or m.ffns[i]) if self.n == 1 else self._batch(i)]
         return attn + [(rule or m.rules[i]).bind(self.x.np[0], self.h[0]), m.downs[i].bind(self.h[0], self.delta.np[0])]

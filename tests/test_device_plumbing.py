@@ -115,7 +115,7 @@ def test_the_emulation_catches_host_lengths_and_the_fix_passes(silu_file, sparsi
     """Prefill, decode and the head with the dense part's buffers in (emulated) device memory:
     the pre-fix runtime fails as it did on the H200, the fixed one agrees with the CPU path."""
     opts = dict(sparsity=sparsity, kernels="on", threads=1, device="cpu")
-    want = _run(Model(silu_file, RuntimeOptions(**opts)))
+    want = _run(Model(silu_file, RuntimeOptions(**opts, kv_type="f32")))     # the reference: f32 throughout
     spread = np.abs(want[1]).max()
     got = _run(Model(silu_file, RuntimeOptions(**opts, dense_device="emulated-gpu")))
     broken = _run(_host_lengths(monkeypatch, silu_file, RuntimeOptions(**opts, dense_device="emulated-gpu")))

@@ -61,8 +61,12 @@ def _assert_close_but_for_roundings(got, want):
 
 def _kernel_model(path, monkeypatch, **kw):
     """A model whose dense layers decode through the kernel (autotune told to keep it), so that
-    their attention and the head run through the C kernels."""
+    their attention and the head run through the C kernels. Its KV cache is f32, as the reference
+    sessions' are below: an f16 cache rounds differently in ONNX Runtime's f16 attention (q and
+    the heads' output in f16 too) and in the C kernels' (f32 arithmetic over f16 values);
+    test_f16_cache_* check that cache."""
     monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
+    kw.setdefault("kv_type", "f32")
     m = Model(path, RuntimeOptions(threads=kw.pop("threads", 1), n_ctx=64, device="cpu", **kw))
     assert all(m.ffns) and all(s is not None for s in m.native) and m.native_head is not None
     assert m.attn is None or all(a is None for a in m.attn)      # no attention-only sessions built
@@ -85,7 +89,8 @@ def test_native_decode_matches_the_sessions(gguf_file, monkeypatch, isa, threads
     off: the reference path), on each instruction set and thread count."""
     qtype, path = gguf_file
     sparse_isa(isa)
-    want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off")))
+    want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off",
+                                              kv_type="f32")))
     got = _decode(_kernel_model(path, monkeypatch, threads=threads))
     _assert_close_but_for_roundings(got, want)
 
@@ -110,7 +115,7 @@ def test_native_layer_step_matches_the_attention_session(gguf_file):
     """One layer's C call against its attention-only ONNX Runtime session on the same inputs and
     cache: the residual, the FFN's input and the K/V written at the position."""
     qtype, path = gguf_file
-    m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off"))
+    m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", kv_type="f32"))
     m.forward(IDS[:5])
     m.bind_activations(1)
     st, rng = m.steps, np.random.default_rng(0)
@@ -133,6 +138,52 @@ def test_native_layer_step_matches_the_attention_session(gguf_file):
     got = (st.resid[0].np, st.x.np, k.np[0, :, pos], v.np[0, :, pos])
     for a, b in zip(got, want):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_f16_cache_holds_the_f32_values_rounded_to_nearest_even(gguf_file, isa):
+    """One layer's C call with an f16 KV cache against the same call with an f32 one, both caches
+    holding the same (f16-exact) values for the earlier positions: the K/V written at the position
+    are the f32 call's rounded to nearest even (NumPy's rounding, and F16C's), and the outputs move
+    only by that rounding of one position's K and V (f16 keeps 11 significant bits, 4.9e-4
+    relative; 1e-3 of the largest output is twice that)."""
+    qtype, path = gguf_file
+    sparse_isa(isa)
+    models = {kv: Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", kv_type=kv))
+              for kv in ("f16", "f32")}       # f16 first: the f32 cache takes its earlier positions
+    rng = np.random.default_rng(1)
+    inputs = rng.standard_normal((2, 1, 1, models["f32"].cfg.d_model)).astype(np.float32)
+    out = {}
+    for kv, m in models.items():
+        m.forward(IDS[:5])
+        m.bind_activations(1)
+        m.start(np.asarray([7]), 1)
+        st = m.steps
+        st.resid[1].np[...], st.delta.np[...] = inputs[0], inputs[1] * 0.1
+        k, v = m.attention.kv[1]
+        if kv == "f32":         # the earlier positions as the f16 cache holds them
+            k16, v16 = models["f16"].attention.kv[1]
+            k.np[...], v.np[...] = k16.np.astype(np.float32), v16.np.astype(np.float32)
+        native.bind_layer(m.native[1], m.attention, 1, st.resid[1], st.delta, st.resid[0], st.x)()
+        pos = m.n_past
+        out[kv] = (st.resid[0].np.copy(), st.x.np.copy(), k.np[0, :, pos].copy(), v.np[0, :, pos].copy())
+    for i in (2, 3):
+        np.testing.assert_array_equal(out["f16"][i], out["f32"][i].astype(np.float16))
+    for got, want in zip(out["f16"][:2], out["f32"][:2]):
+        assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+def test_f16_cache_decodes_as_the_f32_one_up_to_its_rounding(gguf_file, monkeypatch):
+    """The whole model with the C kernels' decode, f16 against f32 caches: the same greedy tokens
+    nearly everywhere. This random tiny model's attention is far sharper than a trained one's (its
+    unscaled random q and k give large scores), so the f16 rounding of K and V moves its logits by
+    about 1% of the largest (1.0-1.5% measured); SmolLM2's perplexity with each cache is the
+    quality check (test_smollm2.py)."""
+    qtype, path = gguf_file
+    got = _decode(_kernel_model(path, monkeypatch, kv_type="f16"))
+    want = _decode(_kernel_model(path, monkeypatch, kv_type="f32"))
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q4-nomin", "q5", "q5-nomin", "q8", "f16", "f32", "f32-40", "q4-576", "q8-576",
@@ -266,10 +317,11 @@ def test_refused_layers_keep_their_sessions(tmp_path, monkeypatch, case, layer, 
     make_hf_model(tmp_path / case, case)
     path = _convert(tmp_path / case, tmp_path / f"{case}.pinf")
     monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
-    m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu"))
+    m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kv_type="f32"))
     assert all(m.ffns) and all(s is None for s in m.native) and all(a is not None for a in m.attn)
     assert why in native.refusal(m.reader, m.cfg, layer)
-    want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off")))
+    want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off",
+                                              kv_type="f32")))
     _assert_close_but_for_roundings(_decode(m), want)
     off = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", dense_kernel="off"))
     assert off.native_head is None and all(s is None for s in off.native)
@@ -284,7 +336,8 @@ def test_hugging_face_layouts_decode_through_the_c_kernels(tmp_path, monkeypatch
     from test_hf_models import make_hf_model
     make_hf_model(tmp_path / case, case)
     path = _convert(tmp_path / case, tmp_path / f"{case}.pinf")
-    want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off")))
+    want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off",
+                                              kv_type="f32")))
     got = _decode(_kernel_model(path, monkeypatch))
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -47,8 +47,10 @@ def build(tmp_path, qtype, **kw):
 def test_logits_match_reference_and_kv_cache_matches_full_pass(tmp_path, qtype):
     src, out = build(tmp_path, qtype)
     # the dense graphs both ways: under auto, decode may take the kernel's dense mode (its own int8
-    # rounding; test_ffn_paths.py checks it), which would hide a cache error in a kernel difference
-    m = Model(out, RuntimeOptions(threads=1, kernels="off"))
+    # rounding; test_ffn_paths.py checks it), which would hide a cache error in a kernel difference;
+    # an f32 cache, which the full pass matches to float rounding (an f16 one rounds what it keeps:
+    # test_kv_cache.py and test_native.py check that)
+    m = Model(out, RuntimeOptions(threads=1, kernels="off", kv_type="f32"))
     full = m.forward(IDS, logits_from=0).copy()
     ref = reference_logits(src, IDS)
     rel = np.abs(full - ref).max() / np.abs(ref).max()
@@ -114,7 +116,7 @@ def test_given_active_sets_decode_through_the_fused_kernel(tmp_path, qtype):
     5-bit sources keep 5 bits (q5) in the bundles, read by the kernel and by ONNX Runtime."""
     _, out = build(tmp_path, qtype)
     assert PinfReader(out).block(S.FFN_GATE_UP.format(0))[0] == ("q4" if qtype == "Q4_0" else "q5")
-    m = Model(out, RuntimeOptions(threads=1, kernels="off"))    # dense: ONNX Runtime's graphs, untimed
+    m = Model(out, RuntimeOptions(threads=1, kernels="off", kv_type="f32"))    # dense: ONNX Runtime's graphs, untimed
     m.forward(IDS[:4])
     dense = np.concatenate([m.forward([t]).copy() for t in IDS[4:20]])
     n_ff = m.cfg.n_ff

@@ -25,7 +25,8 @@ class _AttnCall(ctypes.Structure):
                 ("eps", F32), ("scale", F32), ("softcap", F32)] + \
         [(n, I64) for n in ("d", "n_head", "n_kv", "hd", "rot", "n_ctx")] + [("interleaved", ctypes.c_int)] + \
         [(n, P) for n in ("k_cache", "v_cache", "cos", "sin", "total")] + [("back", I64)] + \
-        [(n, P) for n in ("resid", "delta", "resid_out", "x_out", "work")] + [("threads", ctypes.c_int)]
+        [(n, P) for n in ("resid", "delta", "resid_out", "x_out", "work")] + [("threads", ctypes.c_int),
+                                                                             ("kv_f16", ctypes.c_int)]
 
 
 class _HeadCall(ctypes.Structure):
@@ -84,22 +85,25 @@ class AttentionStep:
         self.threads = threads
 
     def bind(self, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total, back=0):
-        """Fix the buffers (float32; k/v_cache (1, n_kv, n_ctx, head_dim), cos/sin (n_ctx, rot/2),
-        total an int32 scalar array: the cached length once the call is done, of which this token
-        is `back` from the end); returns a zero-argument callable."""
+        """Fix the buffers (float32; k/v_cache (1, n_kv, n_ctx, head_dim) float32 or float16, both
+        the same, cos/sin (n_ctx, rot/2), total an int32 scalar array: the cached length once the
+        call is done, of which this token is `back` from the end); returns a zero-argument callable."""
         sh = self.shape
         d, n_ctx = sh["d"], k_cache.shape[2]
+        kv = k_cache.dtype
+        if kv not in (np.float32, np.float16):
+            raise ValueError(f"k cache: expected float32 or float16 values, got {kv}")
         ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
         call = _AttnCall(self.qkv, self.out, *(ptr(v) for v in self.norms), self.params["eps"], self.params["scale"],
                          self.params["softcap"], d, sh["n_head"], sh["n_kv"], sh["hd"], sh["rot"], n_ctx,
                          self.params["interleaved"],
-                         *(_buffer(c, sh["n_kv"] * n_ctx * sh["hd"], name) for c, name in ((k_cache, "k cache"),
-                                                                                          (v_cache, "v cache"))),
+                         *(_buffer(c, sh["n_kv"] * n_ctx * sh["hd"], name, kv) for c, name in ((k_cache, "k cache"),
+                                                                                              (v_cache, "v cache"))),
                          *(_buffer(t, n_ctx * (sh["rot"] // 2), name) for t, name in ((cos, "cos"), (sin, "sin"))),
                          _buffer(total, 1, "total", np.int32), back,
                          *(_buffer(a, d, name) for a, name in ((resid, "resid"), (delta, "delta"),
                                                                (resid_out, "resid_out"), (x_out, "x_out"))),
-                         None, self.threads)
+                         None, self.threads, int(kv == np.float16))
         need = _lib.pinfer_attn_work(ctypes.byref(call))
         if len(self.work) < need:       # calls bound before keep the smaller buffer they point into
             self.work = np.empty(need, np.float32)

@@ -22,8 +22,8 @@
  * A prompt's tokens take one call each, in order (`back` says which); every layer's attention is
  * then the same computation as a single token's.
  *
- * Layouts: the KV cache (n_kv, n_ctx, hd) f32 per layer, as GroupQueryAttention keeps it; cos/sin
- * (n_ctx, rot/2) f32. `work`: pinfer_attn_work / pinfer_head_work floats of scratch.
+ * Layouts: the KV cache (n_kv, n_ctx, hd) f32 or f16 (kv_f16) per layer, as GroupQueryAttention keeps
+ * it; cos/sin (n_ctx, rot/2) f32. `work`: pinfer_attn_work / pinfer_head_work floats of scratch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,7 +45,7 @@ typedef struct {
     float eps, scale, softcap;          /* softcap 0: none */
     int64_t d, n_head, n_kv, hd, rot, n_ctx;
     int interleaved;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;            /* f32, or f16 where kv_f16 */
     const float *cos, *sin;
     const int32_t *total;               /* the cached length once the call's tokens are in */
     int64_t back;                       /* tokens of the call after this one: pos = *total - 1 - back */
@@ -53,6 +53,7 @@ typedef struct {
     float *resid_out, *x_out;
     float *work;
     int threads;
+    int kv_f16;                         /* the KV cache holds f16 values (rounded to nearest even) */
 } attn_call_t;
 
 typedef struct {
@@ -267,14 +268,19 @@ typedef struct {
     int isa;
 } heads_t;
 
+/* Element i of a K or V cache of f32 (f16 0) or f16 (f16 1) values. */
+static inline float kv_at(const void *p, int64_t i, int f16) {
+    return f16 ? HALF(((const half_t *)p)[i]) : ((const float *)p)[i];
+}
+
 /* One head over positions 0..n-1: scores s = scale q.K_j (softcapped), their softmax, o = sum p_j V_j.
    Every ISA sums in the same order within its own lanes; the ISAs differ by float rounding only. */
-static void head_portable(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
-                          float softcap, float *s, float *o) {
+static void head_portable(const float *q, const void *K, const void *V, int64_t n, int64_t hd, float scale,
+                          float softcap, float *s, float *o, int f16) {
     float top = -INFINITY, total = 0.0f;
     for (int64_t j = 0; j < n; j++) {
         float v = 0.0f;
-        for (int64_t i = 0; i < hd; i++) v += K[j * hd + i] * q[i];
+        for (int64_t i = 0; i < hd; i++) v += kv_at(K, j * hd + i, f16) * q[i];
         v *= scale;
         if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
         s[j] = v;
@@ -283,7 +289,7 @@ static void head_portable(const float *q, const float *K, const float *V, int64_
     for (int64_t j = 0; j < n; j++) total += s[j] = expf(s[j] - top);
     memset(o, 0, (size_t)hd * sizeof(float));
     for (int64_t j = 0; j < n; j++)
-        for (int64_t i = 0; i < hd; i++) o[i] += s[j] * V[j * hd + i];
+        for (int64_t i = 0; i < hd; i++) o[i] += s[j] * kv_at(V, j * hd + i, f16);
     const float inv = 1.0f / total;
     for (int64_t i = 0; i < hd; i++) o[i] *= inv;
 }
@@ -296,7 +302,7 @@ static void head_avx512(const float *q, const float *K, const float *V, int64_t 
                         float softcap, float *s, float *o) {
     const int64_t nv = (hd + 15) / 16;
     if (nv > 16) {
-        head_portable(q, K, V, n, hd, scale, softcap, s, o);
+        head_portable(q, K, V, n, hd, scale, softcap, s, o, 0);
         return;
     }
     __m512 qv[16], ov[16];
@@ -346,9 +352,16 @@ static void head_avx512(const float *q, const float *K, const float *V, int64_t 
    them while the qkv rows are read took them to 223 us but cost as much again in the prefetches,
    so it is not done. */
 #define HEAD8_MAX 32
-__attribute__((target("avx2,fma"), always_inline))
-static inline void head8(const int NV, const float *q, const float *K, const float *V, int64_t n, float scale,
-                         float softcap, float *s, float *o) {
+/* Eight values of a K or V cache from element i: f32, or f16 (F16 a constant where head8 inlines). */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline __m256 kv8(const void *p, int64_t i, const int F16) {
+    return F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const half_t *)p + i)))
+               : _mm256_loadu_ps((const float *)p + i);
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void head8(const int NV, const int F16, const float *q, const void *K, const void *V, int64_t n,
+                         float scale, float softcap, float *s, float *o) {
     const int64_t hd = 8 * NV;
     __m256 qv[HEAD8_MAX], ov[HEAD8_MAX];
 #pragma GCC unroll 16
@@ -358,15 +371,15 @@ static inline void head8(const int NV, const float *q, const float *K, const flo
     }
     __m128 top4 = _mm_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 4) {
-        const float *k0 = K + j * hd, *k1 = j + 1 < n ? k0 + hd : k0, *k2 = j + 2 < n ? k0 + 2 * hd : k0,
-                    *k3 = j + 3 < n ? k0 + 3 * hd : k0;
+        const int64_t k0 = j * hd, k1 = j + 1 < n ? k0 + hd : k0, k2 = j + 2 < n ? k0 + 2 * hd : k0,
+                      k3 = j + 3 < n ? k0 + 3 * hd : k0;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
 #pragma GCC unroll 16
         for (int c = 0; c < NV; c++) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 8 * c), qv[c], a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + 8 * c), qv[c], a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + 8 * c), qv[c], a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + 8 * c), qv[c], a3);
+            a0 = _mm256_fmadd_ps(kv8(K, k0 + 8 * c, F16), qv[c], a0);
+            a1 = _mm256_fmadd_ps(kv8(K, k1 + 8 * c, F16), qv[c], a1);
+            a2 = _mm256_fmadd_ps(kv8(K, k2 + 8 * c, F16), qv[c], a2);
+            a3 = _mm256_fmadd_ps(kv8(K, k3 + 8 * c, F16), qv[c], a3);
         }
         const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
         __m128 v = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale));
@@ -401,43 +414,46 @@ static inline void head8(const int NV, const float *q, const float *K, const flo
     for (int64_t j = 0; j < n; j++) {
         const __m256 p = _mm256_set1_ps(s[j]);
 #pragma GCC unroll 16
-        for (int c = 0; c < NV; c++) ov[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(V + j * hd + 8 * c), ov[c]);
+        for (int c = 0; c < NV; c++) ov[c] = _mm256_fmadd_ps(p, kv8(V, j * hd + 8 * c, F16), ov[c]);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / pinfer_hsum8(tv));
 #pragma GCC unroll 16
     for (int c = 0; c < NV; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(ov[c], inv));
 }
 
-/* head8 for one width on one ISA; `hd` is read only by the variable-width ones (head8_any*). */
-typedef void (*head_fn)(const float *, const float *, const float *, int64_t, int64_t, float, float, float *, float *);
-#define PINFER_HEAD8(NAME, NV)                                                                                  \
-    __attribute__((target("avx2,fma"))) static void NAME(const float *q, const float *K, const float *V,          \
-                                                        int64_t n, int64_t hd, float scale, float softcap,      \
-                                                        float *s, float *o) {                                   \
+/* head8 for one width, one KV type (F16) and one ISA; `hd` is read only by the variable-width ones
+   (head8_any*). */
+typedef void (*head_fn)(const float *, const void *, const void *, int64_t, int64_t, float, float, float *, float *);
+#define PINFER_HEAD8(NAME, NV, F16)                                                                             \
+    __attribute__((target("avx2,fma,f16c"))) static void NAME(const float *q, const void *K, const void *V,     \
+                                                             int64_t n, int64_t hd, float scale, float softcap, \
+                                                             float *s, float *o) {                              \
         (void)hd;                                                                                               \
-        head8(NV, q, K, V, n, scale, softcap, s, o);                                                            \
+        head8(NV, F16, q, K, V, n, scale, softcap, s, o);                                                       \
     }                                                                                                           \
-    __attribute__((target("avx512f,avx512vl,fma"))) static void NAME##_avx512(                                    \
-        const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale, float softcap,      \
+    __attribute__((target("avx512f,avx512vl,fma,f16c"))) static void NAME##_avx512(                               \
+        const float *q, const void *K, const void *V, int64_t n, int64_t hd, float scale, float softcap,        \
         float *s, float *o) {                                                                                   \
         (void)hd;                                                                                               \
-        head8(NV, q, K, V, n, scale, softcap, s, o);                                                            \
+        head8(NV, F16, q, K, V, n, scale, softcap, s, o);                                                       \
     }
-PINFER_HEAD8(head8_4, 4) PINFER_HEAD8(head8_8, 8) PINFER_HEAD8(head8_12, 12) PINFER_HEAD8(head8_16, 16)
-PINFER_HEAD8(head8_any, (int)(hd / 8))
+PINFER_HEAD8(head8_4, 4, 0) PINFER_HEAD8(head8_8, 8, 0) PINFER_HEAD8(head8_12, 12, 0) PINFER_HEAD8(head8_16, 16, 0)
+PINFER_HEAD8(head8_any, (int)(hd / 8), 0)
+PINFER_HEAD8(head8_4_h, 4, 1) PINFER_HEAD8(head8_8_h, 8, 1) PINFER_HEAD8(head8_12_h, 12, 1)
+PINFER_HEAD8(head8_16_h, 16, 1) PINFER_HEAD8(head8_any_h, (int)(hd / 8), 1)
 
-/* The head8 for head width hd on the ISA (AVX2 or AVX-512), or NULL where hd is not a multiple of 8
-   up to 8 * HEAD8_MAX. */
-static head_fn head8_for(int64_t hd, int isa) {
+/* The head8 for head width hd, KV type (f16) and ISA (AVX2 or AVX-512), or NULL where hd is not a
+   multiple of 8 up to 8 * HEAD8_MAX. */
+static head_fn head8_for(int64_t hd, int f16, int isa) {
     const int w = isa == ISA_AVX512;
     if (hd % 8 || hd > 8 * HEAD8_MAX) return NULL;
-    switch (hd) {
-    case 32: return w ? head8_4_avx512 : head8_4;
-    case 64: return w ? head8_8_avx512 : head8_8;
-    case 96: return w ? head8_12_avx512 : head8_12;
-    case 128: return w ? head8_16_avx512 : head8_16;
-    default: return w ? head8_any_avx512 : head8_any;
-    }
+    static const head_fn fns[2][2][5] = {
+        {{head8_4, head8_8, head8_12, head8_16, head8_any},
+         {head8_4_avx512, head8_8_avx512, head8_12_avx512, head8_16_avx512, head8_any_avx512}},
+        {{head8_4_h, head8_8_h, head8_12_h, head8_16_h, head8_any_h},
+         {head8_4_h_avx512, head8_8_h_avx512, head8_12_h_avx512, head8_16_h_avx512, head8_any_h_avx512}}};
+    const int which = hd == 32 ? 0 : hd == 64 ? 1 : hd == 96 ? 2 : hd == 128 ? 3 : 4;
+    return fns[f16 != 0][w][which];
 }
 #endif
 
@@ -445,11 +461,14 @@ static void heads(void *p, int64_t h0, int64_t h1) {
     const heads_t *t = p;
     const attn_call_t *a = t->a;
     const int64_t hd = a->hd, group = a->n_head / a->n_kv;
+    const int f16 = a->kv_f16;
+    const size_t width = f16 ? sizeof(half_t) : sizeof(float);
 #ifdef PINFER_X86
-    const head_fn f = t->isa == ISA_PORTABLE ? NULL : head8_for(hd, t->isa);
+    const head_fn f = t->isa == ISA_PORTABLE ? NULL : head8_for(hd, f16, t->isa);
 #endif
     for (int64_t h = h0; h < h1; h++) {
-        const float *K = a->k_cache + (h / group) * a->n_ctx * hd, *V = a->v_cache + (h / group) * a->n_ctx * hd;
+        const size_t at = (size_t)((h / group) * a->n_ctx * hd) * width;
+        const void *K = (const char *)a->k_cache + at, *V = (const char *)a->v_cache + at;
         const float *q = t->q + h * hd;
         float *s = t->scores + h * a->n_ctx, *o = t->out + h * hd;
 #ifdef PINFER_X86
@@ -457,12 +476,12 @@ static void heads(void *p, int64_t h0, int64_t h1) {
             f(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
             continue;
         }
-        if (t->isa == ISA_AVX512) {     /* widths not a multiple of 8 */
+        if (t->isa == ISA_AVX512 && !f16) {     /* widths not a multiple of 8 */
             head_avx512(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
             continue;
         }
 #endif
-        head_portable(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
+        head_portable(q, K, V, t->n, hd, a->scale, a->softcap, s, o, f16);
     }
 }
 
@@ -490,8 +509,17 @@ static void attn_token(const attn_call_t *a, int threads, int isa) {
     for (int64_t h = 0; h < a->n_head; h++) rope(q + h * hd, c, s, a->rot, a->interleaved);
     for (int64_t h = 0; h < a->n_kv; h++) {
         rope(k + h * hd, c, s, a->rot, a->interleaved);
-        memcpy(a->k_cache + (h * a->n_ctx + pos) * hd, k + h * hd, (size_t)hd * sizeof(float));
-        memcpy(a->v_cache + (h * a->n_ctx + pos) * hd, v + h * hd, (size_t)hd * sizeof(float));
+        const int64_t at = (h * a->n_ctx + pos) * hd;
+        if (a->kv_f16) {
+            half_t *kc = (half_t *)a->k_cache + at, *vc = (half_t *)a->v_cache + at;
+            for (int64_t i = 0; i < hd; i++) {
+                kc[i] = to_half(k[h * hd + i]);
+                vc[i] = to_half(v[h * hd + i]);
+            }
+        } else {
+            memcpy((float *)a->k_cache + at, k + h * hd, (size_t)hd * sizeof(float));
+            memcpy((float *)a->v_cache + at, v + h * hd, (size_t)hd * sizeof(float));
+        }
     }
     heads_t t = {a, q, att, scores, pos + 1, isa};
     pinfer_parallel(a->n_head * (pos + 1) * hd >= PARALLEL_WORK / 4 ? threads : 1, a->n_head, heads, &t);
