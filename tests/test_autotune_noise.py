@@ -8,7 +8,6 @@ CPU measured). These tests inject the noise; none of them reads a clock for an a
 import numpy as np
 import pytest
 
-from fixtures import convert_tiny_silu
 from pinfer.runtime import autotune
 from pinfer.runtime.autotune import choose_path, ratios
 from pinfer.runtime.model import Model, RuntimeOptions
@@ -51,11 +50,6 @@ def test_the_noise_is_enough_to_flip_a_median():
         median = [float(np.median(t[:, k] / t[:, 2])) for k in (0, 1)]
         flips += choose_path(*median) != "kernel"
     assert flips > 20, flips
-
-
-@pytest.fixture(scope="module")
-def silu_file(tmp_path_factory):
-    return convert_tiny_silu(tmp_path_factory.mktemp("noise"))
 
 
 def test_dense_layers_the_c_kernels_take_are_not_timed(silu_file, monkeypatch):

@@ -75,6 +75,7 @@ def test_auto_is_the_cpu_without_cuda_and_cuda_is_refused_in_a_sentence(tiny, tm
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU that PyTorch sees (the CPU-side "
                                                             "checks are the meta-device test above)")
+@pytest.mark.gpu
 def test_the_gpu_calibration_makes_the_cpus_choices(tmp_path):
     """The same relu model calibrated on both devices: every layer's operating point within one step of
     the CPU's, and the predictors' held-out mass recall within 0.005 (float summation differs)."""
@@ -95,6 +96,7 @@ def test_the_gpu_calibration_makes_the_cpus_choices(tmp_path):
     assert "CUDA" in heads["cuda"]["sparsity"]["device"], json.dumps(heads["cuda"]["sparsity"])[:300]
 
 
+@pytest.mark.slow
 def test_the_adaptive_calibration_length_follows_its_rule(tiny, tmp_path):
     """No --calib-tokens: the first layer's predictor at 4096, 8192, ... training tokens; the search
     stops at the first doubling that improves the share needed for 0.99 mass recall by under 2%, or

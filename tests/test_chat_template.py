@@ -15,6 +15,7 @@ def smollm2_template():
     return chat_template_from_gguf(gguf.GGUFReader(smollm2_gguf()))
 
 
+@pytest.mark.real_model
 def test_smollm2_template_renders_chatml(smollm2_template):
     expected = (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -28,6 +29,7 @@ def test_smollm2_template_renders_chatml(smollm2_template):
     assert without_prompt == expected.removesuffix("<|im_start|>assistant\n")
 
 
+@pytest.mark.real_model
 def test_matches_transformers_rendering(smollm2_template):
     chat_utils = pytest.importorskip("transformers.utils.chat_template_utils")
     messages = [{"role": "system", "content": "Be brief."}, *CONVERSATION,

@@ -7,6 +7,11 @@ import sys
 import pytest
 from fixtures import make_tiny_llama_gguf
 
+# The fixture's conversion runs the default passes (calibration, predictors): 15 to 30 s on a 2-core
+# machine. The quick run (`pytest -m "not slow"`) still drives the CLI through test_hostile,
+# test_server, test_serve_signals, test_chat_pty and test_hf_models.
+pytestmark = pytest.mark.slow
+
 
 def pinfer(*args, stdin=None):
     return subprocess.run([sys.executable, "-m", "pinfer", *map(str, args)], input=stdin, capture_output=True,

@@ -16,7 +16,6 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from fixtures import convert_tiny_silu
 from pinfer.formats import PinfReader
 from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig
@@ -28,11 +27,6 @@ from pinfer.runtime.ort import Bound, Buf, DeviceEmulation
 
 IDS = list(range(5, 41))
 PROMPT = 8
-
-
-@pytest.fixture(scope="module")
-def silu_file(tmp_path_factory):
-    return convert_tiny_silu(tmp_path_factory.mktemp("plumbing"))
 
 
 def _run(model, by_token=False):

@@ -7,17 +7,11 @@ Note giving the figures, and the model then decodes as the CPU one does."""
 import numpy as np
 import pytest
 
-from fixtures import convert_tiny_silu
 from pinfer.runtime import selfcheck
 from pinfer.runtime.model import Model, RuntimeOptions
 
 DEVICE_FFN, DEVICE_DENSE = selfcheck.device_ffn, selfcheck.device_dense     # the unperturbed runs
 EMULATED = dict(kernels="on", threads=1, device="cpu-split", vram_budget=1.0, dense_device="emulated-gpu")
-
-
-@pytest.fixture(scope="module")
-def silu_file(tmp_path_factory):
-    return convert_tiny_silu(tmp_path_factory.mktemp("selfcheck"))
 
 
 def _said(model):

@@ -73,6 +73,7 @@ def _times(ratio):
     return lambda cfg, points, rows, *a, **k: {p.name: ratio for p in points}
 
 
+@pytest.mark.slow
 def test_no_faster_point_writes_the_dense_file_at_once(source, monkeypatch):
     """Every point as slow as dense: the dense file, as --sparsity none writes it but with the
     sample's frequencies, the reason and the measurements in the header and the report, and a
@@ -102,6 +103,7 @@ def test_no_faster_point_writes_the_dense_file_at_once(source, monkeypatch):
     assert np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_fast_point_over_the_budget_still_gives_the_dense_file(source, monkeypatch):
     d, src = source
     monkeypatch.setattr(early, "time_points", _times(0.5))
@@ -111,6 +113,7 @@ def test_a_fast_point_over_the_budget_still_gives_the_dense_file(source, monkeyp
     assert {p["ppl_increase"] for p in h["sparsity"]["early"]["points"]} == {0.02}
 
 
+@pytest.mark.slow
 def test_a_point_that_may_pass_goes_on_to_the_full_calibration(source, monkeypatch):
     d, src = source
     monkeypatch.setattr(early, "time_points", _times(0.5))
@@ -150,6 +153,7 @@ def test_every_down_format_the_planner_gives_can_be_timed(down):
         assert ratios["down:0.3"] == float("inf")
 
 
+@pytest.mark.slow
 def test_a_predictor_trained_on_the_sample_selects_no_fewer_than_the_oracle():
     """Candidates of the quick predictor: shares that grow with the recall target, and, as no
     predictor can, never fewer than the oracle's at the same target (a few points of slack: the

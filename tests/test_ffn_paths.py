@@ -14,11 +14,6 @@ from pinfer.runtime.model import Model, RuntimeOptions
 IDS = list(range(5, 37))
 
 
-@pytest.fixture(scope="module")
-def silu_file(tmp_path_factory):
-    return convert_tiny_silu(tmp_path_factory.mktemp("paths"))
-
-
 def _decode(model):
     model.reset()
     model.forward(IDS[:8])

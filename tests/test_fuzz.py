@@ -69,6 +69,7 @@ def read_gguf_fully(path):
 
 @FUZZ
 @given(st.lists(MUTATION, min_size=1, max_size=4))
+@pytest.mark.slow
 def test_fuzz_gguf_front_end(seeds, mutations):
     d, gguf, _ = seeds
     path = d / "case.gguf"
@@ -122,6 +123,7 @@ def edit_json(blob, edits):
 
 @FUZZ
 @given(st.lists(MUTATION, max_size=3), st.lists(JSON_EDITS, max_size=3))
+@pytest.mark.slow
 def test_fuzz_pinf_reader(seeds, mutations, edits):
     d, _, pinf = seeds
     data = pinf
@@ -156,6 +158,7 @@ SNIPPETS = st.sampled_from([
 
 @FUZZ
 @given(st.lists(SNIPPETS, min_size=1, max_size=5), st.text(max_size=50))
+@pytest.mark.slow
 def test_fuzz_chat_templates(parts, content):
     try:
         out = render_chat("".join(parts), [{"role": "user", "content": content}])

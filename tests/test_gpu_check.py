@@ -59,6 +59,7 @@ def statuses(repo):
     return {c["name"]: c["status"] for c in result["checks"]}
 
 
+@pytest.mark.slow
 def test_the_cpu_half_runs_from_a_clean_copy_and_again_over_its_leftovers(copy):
     # what the old script left behind: build/pyroot/pinfer/kernels linked to a kernels/ that moved
     stale = copy / "build" / "pyroot" / "pinfer"
@@ -82,6 +83,7 @@ def test_the_cpu_half_runs_from_a_clean_copy_and_again_over_its_leftovers(copy):
         assert f"{'pinfer.runtime':32} {copy / 'runtime'}" in log
 
 
+@pytest.mark.slow
 def test_a_package_missing_from_the_copy_fails_pyroot_and_nothing_else_runs(copy):
     """The venv's editable install would supply pinfer.cli from the real checkout: pyroot says so."""
     (copy / "cli" / "__init__.py").unlink()

@@ -188,6 +188,7 @@ def test_hf_folder_converts_and_matches_transformers(tmp_path, case):
 @pytest.mark.parametrize("case,sparsity", [("opt", "relu:0.99"), ("qwen2", "down:0.3"), ("qwen3", "predicted:0.99"),
                                          ("phi3", "down:0.3"), ("gemma2", "down:0.3"), ("gemma3", "down:0.3"),
                                          ("bamboo", "relu:0.99")])
+@pytest.mark.slow
 def test_hf_folder_calibrates_with_biases_and_without_a_gate(tmp_path, case, sparsity):
     """The passes (calibration, predictors, hot-first reordering) on the biased and gate-less
     layouts: dense logits still match transformers, and the planned mode stays close."""

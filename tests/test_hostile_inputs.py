@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -40,7 +41,9 @@ from pinfer.runtime.chat_template import TemplateError, render_chat
 
 KEY = "hostile-key"
 FULL = int(os.environ.get("PINFER_FUZZ_EXAMPLES", "0")) > 1000
-CASE_SECONDS = 10.0      # any single request, render or refusal: far above what each takes (< 1 s)
+# A hang guard, not a measurement: the client gives up on any single request after this long (each
+# takes well under a second), so a server that hangs fails the test instead of stalling the run.
+CASE_SECONDS = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +68,8 @@ def server(pinf):
 
 def _post(base, path, body, headers=None, raw=None):
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
-    t = time.perf_counter()
-    r = httpx.post(base + path, content=raw if raw is not None else json.dumps(body), headers=h,
-                   timeout=CASE_SECONDS + 5)
-    return r, time.perf_counter() - t
+    return httpx.post(base + path, content=raw if raw is not None else json.dumps(body), headers=h,
+                      timeout=CASE_SECONDS)
 
 
 # -- the server: one field wrong at a time ----------------------------------------------------------
@@ -131,11 +132,11 @@ SERVER_CASES = ([("/v1/chat/completions",) + c for c in _chat_cases() + _field_c
 
 @pytest.mark.parametrize("path, name, body, field", SERVER_CASES, ids=[c[1] for c in SERVER_CASES])
 def test_a_wrong_field_is_a_4xx_naming_it(server, path, name, body, field):
-    r, seconds = _post(server, path, body)
+    r = _post(server, path, body)
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
     message = r.json()["error"]["message"]
     assert field in message or field.split("[")[0] in message, message
-    assert "Traceback" not in message and seconds < CASE_SECONDS
+    assert "Traceback" not in message
 
 
 RAW_BODIES = [("deep arrays", b"[" * 200_000 + b"]" * 200_000), ("deep objects", b'{"a":' * 100_000 + b"1" + b"}" * 100_000),
@@ -147,9 +148,9 @@ RAW_BODIES = [("deep arrays", b"[" * 200_000 + b"]" * 200_000), ("deep objects",
 @pytest.mark.parametrize("name, raw", RAW_BODIES, ids=[n for n, _ in RAW_BODIES])
 def test_a_body_that_is_not_a_request_is_a_4xx(server, name, raw):
     for path in ("/v1/chat/completions", "/v1/completions"):
-        r, seconds = _post(server, path, None, raw=raw)
+        r = _post(server, path, None, raw=raw)
         assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:200])
-        assert r.json()["error"]["message"] and seconds < CASE_SECONDS
+        assert r.json()["error"]["message"]
 
 
 AUTH = [(f"Bearer {KEY}", 200), (f"bearer {KEY}", 200), (f"BEARER {KEY}", 200), (f"Bearer   {KEY}", 200),
@@ -163,9 +164,21 @@ def test_the_bearer_scheme_is_case_insensitive(server, header, status):
 
 
 @pytest.mark.parametrize("length", [1, 1000, 900_000])
-def test_a_long_stop_string_costs_nothing(server, length):
-    r, seconds = _post(server, "/v1/completions", {**COMPLETION, "max_tokens": 3, "stop": "x" * length})
-    assert r.status_code == 200 and seconds < 5, (r.status_code, seconds)
+def test_a_long_stop_string_changes_nothing_but_the_stop(server, length):
+    """A stop string of any length is accepted, and the answer is the one without it, cut where the
+    stop string occurs if it does (within CASE_SECONDS, the client's hang guard)."""
+    greedy = {**COMPLETION, "max_tokens": 3, "temperature": 0}
+    plain = _post(server, "/v1/completions", greedy)
+    assert plain.status_code == 200, plain.text[:200]
+    want = plain.json()["choices"][0]
+    stop = "x" * length
+    r = _post(server, "/v1/completions", {**greedy, "stop": stop})
+    assert r.status_code == 200, (r.status_code, r.text[:200])
+    got = r.json()["choices"][0]
+    if stop in want["text"]:
+        assert (got["text"], got["finish_reason"]) == (want["text"].split(stop)[0], "stop"), (got, want)
+    else:
+        assert (got["text"], got["finish_reason"]) == (want["text"], want["finish_reason"]), (got, want)
 
 
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
@@ -180,81 +193,100 @@ def test_identical_greedy_requests_give_identical_output(server, path, body):
     texts = []
     for warm in (None, other, greedy, other):
         if warm is not None:
-            assert _post(server, path, warm)[0].status_code == 200
-        r, _ = _post(server, path, greedy)
+            assert _post(server, path, warm).status_code == 200
+        r = _post(server, path, greedy)
         choice = r.json()["choices"][0]
         texts.append(choice["message"]["content"] if "messages" in body else choice["text"])
     assert len(set(texts)) == 1, texts
 
 
 def _health_during(base, request, n=6):
-    """Seconds each /health call takes while n copies of `request` (a thunk) run, queued one
-    after another by the server."""
-    workers = [threading.Thread(target=request) for _ in range(n)]
+    """/health, called again and again while n copies of `request` (a thunk, itself bounded by
+    CASE_SECONDS) run, queued one after another by the server: for each answer (each a 200 within
+    its client timeout, a hang guard), how many of the n requests had finished when it came."""
+    finished = []
+
+    def run():
+        request()
+        finished.append(1)
+    workers = [threading.Thread(target=run) for _ in range(n)]
     for w in workers:
         w.start()
     time.sleep(0.1)
-    times = []
+    answers = []
     while any(w.is_alive() for w in workers):
-        t = time.perf_counter()
         assert httpx.get(base + "/health", timeout=5).status_code == 200
-        times.append(time.perf_counter() - t)
+        answers.append(len(finished))
         time.sleep(0.02)
     for w in workers:
         w.join(60)
-    return times
+    return answers
 
 
 def test_health_answers_while_a_request_generates(server):
-    """/health answers (each call within its 5 s client timeout) while six 250-token requests run
-    one after another: several answers arrive before they are done. ignore_eos keeps every request
-    at its full length whatever the random model samples."""
-    times = _health_during(server, lambda: _post(server, "/v1/completions", {**COMPLETION, "max_tokens": 250,
-                                                                              "temperature": 0, "ignore_eos": True}))
-    assert len(times) >= 3, times
+    """/health answers while six 250-token requests run one after another: several answers arrive
+    before they are done. ignore_eos keeps every request at its full length whatever the random
+    model samples."""
+    answers = _health_during(server, lambda: _post(server, "/v1/completions", {**COMPLETION, "max_tokens": 250,
+                                                                                "temperature": 0, "ignore_eos": True}))
+    assert len(answers) >= 3, answers
 
+
+# What stops a template: a fragment of the TemplateError, which names the limit that did it. Each is
+# a count or a size checked as the template runs (chat_template.LIMITS, the sandbox's checks), so
+# a template is stopped after a bounded amount of work whatever the machine's speed.
+SIZE = "built a value that is too large"                # value_chars, checked before building where the arguments say the size
+FORMATTED = "built a formatted string that is too large"  # the width or precision a format asks for
+STEPS = "used too much time"        # the step budget (with no_time_budget, nothing else says this)
+OUTPUT = "produced too much text"   # output_chars
+UNSAFE = "tried an unsafe operation"                    # the sandbox
 
 BAD_TEMPLATES = {
-    "center": "{{ 'x' | center(300000000) }}",
-    "percent width": "{{ '%0300000000d' % 1 }}",
-    "percent star": "{{ '%*d' % (300000000, 1) }}",
-    "format width": "{{ '{:>300000000}'.format(1) }}",
-    "format filter": "{{ '%0300000000d' | format(1) }}",
-    "ljust": "{{ 'x'.ljust(300000000) }}",
-    "rjust": "{{ 'x'.rjust(300000000) }}",
-    "zfill": "{{ 'x'.zfill(300000000) }}",
-    "center method": "{{ 'x'.center(300000000) }}",
-    "expandtabs": "{{ ('\t' * 1000).expandtabs(1000000) }}",
-    "indent": "{{ 'x' | indent(300000000) }}",
-    "indent lines": "{{ ('a\n' * 100000) | indent(100) }}",
-    "tilde doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-    "plus doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
-    "recursive macro": "{% macro d(s, n) %}{% if n > 0 %}{{ d(s ~ s, n - 1) }}{% else %}{{ s }}{% endif %}{% endmacro %}"
-                       "{{ d('x', 40) }}",
-    "times": "{{ 'x' * 300000000 }}",
-    "list times": "{{ ([1] * 300000000) | length }}",
-    "power": "{{ 10 ** 100000 }}",
-    "replace empty": "{{ 'abc'.replace('', 'x' * 1000000) }}",
-    "replace filter": "{{ ('a' * 1000) | replace('a', 'b' * 10000) }}",
-    "join": "{{ ['x' * 900000] * 10 | join(',') }}",
-    "join method": "{{ ','.join(['x' * 900000] * 10) }}",
-    "tojson indent": "{{ messages | tojson(indent=100000000) }}",
-    "endless loop": "{% for i in range(100000000) %}{% endfor %}",
-    "nested loops": "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}",
-    "output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
-    "wordwrap": "{{ ('x ' * 600000) | wordwrap(1) }}",
-    "format map": "{{ '{a:>300000000}'.format_map({'a': 1}) }}",
-    "dunder": "{{ ''.__class__.__mro__ }}",
-    "namespace dunder": "{% set ns = namespace(__init__=1) %}",
+    "center": ("{{ 'x' | center(300000000) }}", SIZE),
+    "percent width": ("{{ '%0300000000d' % 1 }}", FORMATTED),
+    "percent star": ("{{ '%*d' % (300000000, 1) }}", FORMATTED),
+    "format width": ("{{ '{:>300000000}'.format(1) }}", FORMATTED),
+    "format filter": ("{{ '%0300000000d' | format(1) }}", FORMATTED),
+    "ljust": ("{{ 'x'.ljust(300000000) }}", SIZE),
+    "rjust": ("{{ 'x'.rjust(300000000) }}", SIZE),
+    "zfill": ("{{ 'x'.zfill(300000000) }}", SIZE),
+    "center method": ("{{ 'x'.center(300000000) }}", SIZE),
+    "expandtabs": ("{{ ('\t' * 1000).expandtabs(1000000) }}", SIZE),
+    "indent": ("{{ 'x' | indent(300000000) }}", SIZE),
+    "indent lines": ("{{ ('a\n' * 100000) | indent(100) }}", SIZE),
+    "tilde doubling": ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+                       SIZE),
+    "plus doubling": ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+                      SIZE),
+    "recursive macro": ("{% macro d(s, n) %}{% if n > 0 %}{{ d(s ~ s, n - 1) }}{% else %}{{ s }}{% endif %}{% endmacro %}"
+                        "{{ d('x', 40) }}", SIZE),
+    "times": ("{{ 'x' * 300000000 }}", SIZE),
+    "list times": ("{{ ([1] * 300000000) | length }}", SIZE),
+    "power": ("{{ 10 ** 100000 }}", "raised a number to a huge power"),
+    "replace empty": ("{{ 'abc'.replace('', 'x' * 1000000) }}", SIZE),
+    "replace filter": ("{{ ('a' * 1000) | replace('a', 'b' * 10000) }}", SIZE),
+    # (a filter binds tighter than *: without the parentheses the join would be of the number 10)
+    "join": ("{{ (['x' * 900000] * 10) | join(',') }}", SIZE),
+    "join method": ("{{ ','.join(['x' * 900000] * 10) }}", SIZE),
+    "tojson indent": ("{{ messages | tojson(indent=100000000) }}", "indent of more than 64"),
+    "endless loop": ("{% for i in range(100000000) %}{% endfor %}", "range(100000000), which is too long"),
+    "nested loops": ("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}", STEPS),
+    "output": ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", OUTPUT),
+    "wordwrap": ("{{ ('x ' * 600000) | wordwrap(1) }}", SIZE),
+    "format map": ("{{ '{a:>300000000}'.format_map({'a': 1}) }}", FORMATTED),
+    "dunder": ("{{ ''.__class__.__mro__ }}", UNSAFE),
+    "namespace dunder": ("{% set ns = namespace(__init__=1) %}", UNSAFE),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD_TEMPLATES))
-def test_a_hostile_template_is_stopped_quickly(name):
-    t = time.perf_counter()
-    with pytest.raises(TemplateError):
-        render_chat(BAD_TEMPLATES[name], [{"role": "user", "content": "hi"}])
-    assert time.perf_counter() - t < 2.5       # the 2 s budget of a render, and its check's granularity
+def test_a_hostile_template_is_stopped_by_a_limit(name, no_time_budget):
+    """Each template is stopped by the limit it runs into, which its error names: by a size checked
+    before the value is built, or by the step budget; never by the clock (made endless here)."""
+    template, limit = BAD_TEMPLATES[name]
+    with pytest.raises(TemplateError) as e:
+        render_chat(template, [{"role": "user", "content": "hi"}])
+    assert limit in str(e.value), str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -269,32 +301,45 @@ def template_server(pinf, tmp_path_factory):
 
 
 def test_health_answers_while_a_hostile_template_renders(template_server):
+    """The renders run off the event loop: /health answers again and again while one and the same
+    render is under way (between two renders' ends), not once after each. A render that held the
+    loop would let at most one waiting /health call through per render."""
     results = []
-    times = _health_during(template_server, lambda: results.append(_post(template_server, "/v1/chat/completions", CHAT)))
-    for r, seconds in results:
+    answers = _health_during(template_server, lambda: results.append(_post(template_server, "/v1/chat/completions", CHAT)))
+    for r in results:
         assert r.status_code == 400 and "too large" in r.json()["error"]["message"], r.text
-    assert len(results) == 6 and len(times) >= 3 and max(times) < 0.5, times
+    during_one = Counter(a for a in answers if a < len(results))
+    assert len(results) == 6 and during_one and max(during_one.values()) >= 3, answers
 
 
 def test_slow_headers_are_cut_off(server):
+    """A client that keeps sending header lines and never ends its request head: the server (here
+    --header-timeout 1) closes the connection without answering. The lines sent stay far below
+    h11's limit on a head's size, so what closes it is the deadline, not a refusal of a large head
+    (that would be answered with a status line). The loop is bounded (about 9 s): a hang guard."""
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        t = time.perf_counter()
-        closed = False
-        while time.perf_counter() - t < 8:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        s.sendall(head)
+        closed, received = False, b""
+        for _ in range(30):
             try:
-                s.sendall(b"X-Slow: 1\r\n")
-                if s.recv(1, socket.MSG_DONTWAIT) == b"":
+                line = b"X-Slow: 1\r\n"
+                s.sendall(line)
+                head += line
+                data = s.recv(4096, socket.MSG_DONTWAIT)
+                if data == b"":
                     closed = True
                     break
+                received += data
             except BlockingIOError:
                 pass
             except OSError:
                 closed = True
                 break
             time.sleep(0.3)
-    assert closed and time.perf_counter() - t < 4      # --header-timeout 1
+    assert closed and received == b"", (closed, received[:200])
+    assert len(head) < 1024     # h11's max_incomplete_event_size is 16 KiB
 
 
 def test_a_model_that_fails_to_load_stops_the_server(pinf, tmp_path):
@@ -430,6 +475,7 @@ def _crafted(source, tmp_path, seeds, timeout):
 
 
 @pytest.mark.parametrize("which", ["dense q8", "predicted mixed"])
+@pytest.mark.slow
 def test_crafted_files_load_or_end_in_one_sentence(pinf, sparse_pinf, tmp_path, which):
     source = pinf if which == "dense q8" else sparse_pinf
     seeds = range(1000 * (which != "dense q8"), 1000 * (which != "dense q8") + CRAFTED)
@@ -442,6 +488,7 @@ def test_crafted_files_load_or_end_in_one_sentence(pinf, sparse_pinf, tmp_path, 
     assert list(tmp_path.glob("*.pinf")) == []
 
 
+@pytest.mark.slow
 def test_crafted_files_through_the_cli_end_in_one_line(pinf, tmp_path):
     """A sample of refused cases through `pinfer generate`: exit 1, stdout empty, one line on stderr."""
     from craft import craft

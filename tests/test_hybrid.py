@@ -8,7 +8,6 @@ benchmarks/gpu_check.sh runs them with the GPU benchmark on a machine that has o
 import numpy as np
 import pytest
 
-from fixtures import convert_tiny_silu
 from pinfer import kernels
 from pinfer.runtime import hybrid, placement
 from pinfer.runtime.model import Model, RuntimeOptions
@@ -123,6 +122,7 @@ def _power_law(n, active, alpha):
     return np.minimum(1.0, base * active * n / base.sum())
 
 
+@pytest.mark.slow
 def test_planner_on_70b_shaped_layers():
     """LLaMA-70B's FFN (80 layers, d 8192, n_ff 28672) in Q4_0 blocks with rank-1024 predictors, and
     each layer its own power-law profile: the budget holds, the bytes are the kernels' own, shares
@@ -174,11 +174,6 @@ def test_placement_follows_the_hotness_profile(profile):
     if profile == "power law":
         assert on_gpu > 2 * k / n_ff   # 78.6%: PowerInfer's point, a small hot set carries most of the activations
     print(f"{profile}: {k / n_ff:.1%} of the neurons hot in every layer, {on_gpu:.1%} of the activation mass")
-
-
-@pytest.fixture(scope="module")
-def silu_file(tmp_path_factory):
-    return convert_tiny_silu(tmp_path_factory.mktemp("hybrid"))
 
 
 def test_planner_on_a_converted_file(silu_file):
@@ -351,6 +346,7 @@ def gpu():
                                             ("q4", "q4"), ("f32", "q8"), ("q5", "q4r"), ("q5-nomin", "q8")])
 @pytest.mark.parametrize("mode, act", [("dense", "silu"), ("down", "silu"), ("predicted", "silu"),
                                        ("relu", "relu"), ("given", "silu")])
+@pytest.mark.gpu
 def test_gpu_hot_part_matches_the_cpu_kernel(gpu, gu_fmt, dn_fmt, mode, act):
     from pinfer.kernels import SparseFFN
     n, d, r = 256, 160, 64
@@ -379,6 +375,7 @@ def test_gpu_hot_part_matches_the_cpu_kernel(gpu, gu_fmt, dn_fmt, mode, act):
         assert np.array_equal(ys[0], ys[1])          # the deterministic variant: the same bits
 
 
+@pytest.mark.gpu
 def test_gpu_model_decodes_as_the_cpu(gpu, silu_file, capfd):
     ids = list(range(5, 37))
     want = _decode(Model(silu_file, RuntimeOptions(sparsity="predicted:0.99", kernels="on", threads=1,
@@ -392,6 +389,7 @@ def test_gpu_model_decodes_as_the_cpu(gpu, silu_file, capfd):
 
 
 @pytest.mark.parametrize("sparsity", ["dense", "predicted:0.99"])
+@pytest.mark.gpu
 def test_gpu_dense_part_decodes_as_the_cpu(gpu, silu_file, sparsity):
     """The dense part on ONNX Runtime's CUDA provider (FP16), the FFN's hot neurons on the GPU:
     prefill and decode within what the FP16 graphs on the CPU provider get to the FP32 path

@@ -1,7 +1,8 @@
 """The converter's passes: calibration, sparsity modes, predictors, hot-first order, golden output.
 
-Fixtures are tiny LLaMA GGUFs built here: SiLU ones as in test_tiny_models, and ReLU ones (the
-same weights with pinfer's activation key), whose activations are exactly sparse."""
+Fixtures are tiny LLaMA GGUFs: the SiLU one of conftest.py (silu_file, silu_gguf), and ReLU ones
+built here (the same kind of weights with pinfer's activation key), whose activations are exactly
+sparse."""
 
 import hashlib
 import json
@@ -34,6 +35,8 @@ def _ids(model, n=96):
     return ids[:n]
 
 
+# Three calibrated conversions (half a minute on a 2-core machine): the tests that use them are
+# marked slow, so that `pytest -m "not slow"` stays a quick run.
 @pytest.fixture(scope="module")
 def relu_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("relu")
@@ -46,6 +49,7 @@ def relu_files(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_an_unverified_conversion_still_reports_its_calibration(relu_files):
     body = json.loads(Path(str(relu_files["source"]) + ".report.json").read_text())
     assert body["verification"] is None
@@ -53,6 +57,7 @@ def test_an_unverified_conversion_still_reports_its_calibration(relu_files):
         [lay["predictor"]["rank"] for lay in PinfReader(relu_files["source"]).header["layers"]]
 
 
+@pytest.mark.slow
 def test_relu_with_a_perfect_mask_equals_dense(relu_files):
     dense = Model(relu_files["hot-first"], RuntimeOptions(kernels="off", sparsity="dense"))
     sparse = Model(relu_files["hot-first"], RuntimeOptions(kernels="off", sparsity="relu:0.99"))
@@ -66,6 +71,7 @@ def test_relu_with_a_perfect_mask_equals_dense(relu_files):
     assert gu == 1.0 and 0.3 < down < 0.7, (gu, down)     # ReLU: about half the neurons are zero
 
 
+@pytest.mark.slow
 def test_relu_predictor_keeps_mass_on_heldout_tokens(relu_files):
     h = PinfReader(relu_files["hot-first"]).header
     for i, lay in enumerate(h["layers"]):
@@ -84,6 +90,7 @@ def test_relu_predictor_keeps_mass_on_heldout_tokens(relu_files):
     assert agree >= 0.9 and gu < 1.0
 
 
+@pytest.mark.slow
 def test_each_layer_keeps_the_predictor_format_that_reads_fewest_bytes(relu_files):
     """The calibration stores every trained rank in q8 and q4 and keeps the pair that reads the
     fewest bytes per token at 0.99 mass recall (the predictor, then the candidates' share of the
@@ -106,6 +113,7 @@ def test_each_layer_keeps_the_predictor_format_that_reads_fewest_bytes(relu_file
         print(f"layer {i}: " + ", ".join(f"rank {rk} {f}: {share:.1%} candidates" for (rk, f), share in tried.items()))
 
 
+@pytest.mark.slow
 def test_hot_first_order_is_sorted_and_changes_nothing(relu_files):
     hot, src = PinfReader(relu_files["hot-first"]), PinfReader(relu_files["source"])
     f_hot, f_src = hot.tensor(S.FFN_FREQ), src.tensor(S.FFN_FREQ)
@@ -120,6 +128,7 @@ def test_hot_first_order_is_sorted_and_changes_nothing(relu_files):
         np.testing.assert_allclose(a.forward(ids, logits_from=0), b.forward(ids, logits_from=0), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_auto_measures_every_point_and_keeps_its_budget(relu_files):
     h = PinfReader(relu_files["auto"]).header
     sp = h["sparsity"]
@@ -138,15 +147,8 @@ def test_auto_measures_every_point_and_keeps_its_budget(relu_files):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def silu_file(tmp_path_factory):
-    d = tmp_path_factory.mktemp("silu")
-    src = make_tiny_llama_gguf(d / "silu.gguf", qtype="Q4_1", n_layer=2, d_model=64, n_ff=128, seed=5)
-    return src, convert(ConvertOptions(src, d / "silu.pinf", report=False, passes=PassOptions(**QUICK)))
-
-
 def test_gated_modes_run_in_the_runtime(silu_file):
-    _, path = silu_file
+    path = silu_file
     h = PinfReader(path).header
     assert {r["point"] for r in h["sparsity"]["heldout"]["points"]} >= {
         "dense", "down:0.2", "down:0.3", "down:0.4", "predicted:0.95", "predicted:0.99", "predicted:0.999"}
@@ -171,10 +173,11 @@ def test_gated_modes_run_in_the_runtime(silu_file):
 
 @pytest.mark.parametrize("which, sparsity", [("silu", "down:0.3"), ("silu", "predicted:0.99"),
                                              ("relu", "relu:0.99")])
+@pytest.mark.slow
 def test_kernel_decode_agrees_with_the_numpy_rules(silu_file, relu_files, which, sparsity):
     """Decode through the fused C kernel (int8 activations) against the ONNX graph + NumPy rule
     path on the same file: same tokens chosen, the same share of rows read."""
-    path = silu_file[1] if which == "silu" else relu_files["hot-first"]
+    path = silu_file if which == "silu" else relu_files["hot-first"]
     models = {k: Model(path, RuntimeOptions(sparsity=sparsity, kernels=k, threads=1)) for k in ("off", "on")}
     assert all(f is not None for f in models["on"].ffns) and not any(models["off"].ffns)
     ids = _ids(models["off"], 40)
@@ -195,7 +198,7 @@ def test_weight_bytes_per_token_follow_the_rows_read(silu_file):
     """Decode's weight bytes: the dense tensors, predictors only where a rule runs them, and the FFN
     rows read, which on the NumPy-rule path are all of them whatever the rule keeps, and with the
     fused kernel the rows it keeps (every down row of a layer whose survivors reach the row dots)."""
-    _, path = silu_file
+    path = silu_file
     r = PinfReader(path)
     size = lambda *bases: sum(e["nbytes"] for n, e in r.tensors.items()  # noqa: E731
                               if any(n.startswith(b.format(i)) for b in bases for i in range(2)))
@@ -219,8 +222,8 @@ def test_weight_bytes_per_token_follow_the_rows_read(silu_file):
     assert got["predicted:0.99", "on"][0] == pytest.approx(dense - gate_up * (1 - gu) - down * (1 - read_dn) + pred)
 
 
-def test_bad_sparsity_and_calibration_input_get_one_sentence(silu_file, tmp_path):
-    src, _ = silu_file
+def test_bad_sparsity_and_calibration_input_get_one_sentence(silu_gguf, tmp_path):
+    src = silu_gguf
     for sparsity, msg in (("relu:0.99", "ReLU-family"), ("down:1.5", "between 0 and 1"), ("magic", "is not none")):
         with pytest.raises(ConvertError, match=msg):
             convert(ConvertOptions(src, tmp_path / "x.pinf", passes=PassOptions(sparsity=sparsity)))
@@ -235,16 +238,17 @@ def test_bad_sparsity_and_calibration_input_get_one_sentence(silu_file, tmp_path
     assert not list(tmp_path.glob("x.pinf*"))
 
 
-def test_dry_run_writes_nothing(silu_file, tmp_path, capfd):
-    src, _ = silu_file
+def test_dry_run_writes_nothing(silu_gguf, tmp_path, capfd):
+    src = silu_gguf
     assert convert(ConvertOptions(src, tmp_path / "d.pinf", dry_run=True)) is None
     err = capfd.readouterr().err
     assert "peak memory" in err and "blk.0.ffn_down.weight" in err
     assert not list(tmp_path.iterdir())
 
 
-def test_calibration_jsonl_is_accepted(silu_file, tmp_path):
-    src, _ = silu_file
+@pytest.mark.slow
+def test_calibration_jsonl_is_accepted(silu_gguf, tmp_path):
+    src = silu_gguf
     calib = tmp_path / "calib.jsonl"
     lines = [json.dumps({"text": TEXT * 3}), json.dumps({"messages": [{"role": "user", "content": TEXT * 3}]})]
     calib.write_text("\n".join(lines * 40) + "\n")
@@ -431,6 +435,7 @@ print(before, hwm())
 """
 
 
+@pytest.mark.slow
 def test_calibration_peak_memory_is_flat_in_layer_count(tmp_path):
     """4 and 16 layers of 67 MB (f32) each: holding every layer would add ~800 MB for 16. (Layers of
     17 MB were too small: allocator noise moved the 16-layer peak by +-80 MB, a flaky 1.2x.)"""

@@ -212,6 +212,8 @@ def _llamacpp_prompts():
 
 @pytest.mark.parametrize("ggml_numerics", [False, True], ids=["exact", "ggml"])
 @pytest.mark.parametrize("k", range(3))
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_smollm2_greedy_matches_llamacpp(smollm2, k, ggml_numerics):
     p = _llamacpp_prompts()[k]
     want = p["generated_ids_new"]
@@ -220,6 +222,8 @@ def test_smollm2_greedy_matches_llamacpp(smollm2, k, ggml_numerics):
     assert prefix >= MIN_PREFIX[ggml_numerics][k], (prefix, got, want)
 
 
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2):
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
     transformers = pytest.importorskip("transformers")

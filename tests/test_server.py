@@ -128,6 +128,7 @@ def test_disconnect_mid_stream_frees_the_model(server, client):
         for i, line in enumerate(r.iter_lines()):
             if i > 3:
                 break  # leave mid-stream
-    t = time.time()
+    # the model is free again: the next request is served. The client's timeout (60 s) is the hang
+    # guard: a generation the disconnect left holding the model would keep this one waiting for it
     out = client.completions.create(model="tiny", prompt="the", max_tokens=2)
-    assert out.usage.completion_tokens >= 1 and time.time() - t < 30
+    assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("length", "stop")

@@ -18,6 +18,8 @@ from pinfer.runtime.generate import GenerateOptions, Session
 from pinfer.runtime.model import RuntimeOptions
 from pinfer.runtime.sample import SamplerConfig
 
+pytestmark = pytest.mark.real_model
+
 GREEDY = DATA / "llamacpp-greedy-public.json"
 WIKI = DATA / "wikitext-2-raw-test.txt"
 
@@ -60,6 +62,7 @@ def _agreement(windows, logits_of):
 # with the rounding's details by about its square root (0.4%): the bounds sit two of those below
 # each path's measured agreement. The exact-activation path would reach 98%.
 
+@pytest.mark.slow
 def test_teacher_forced_top1_agreement_with_reference(session, windows):
     """Each window as one prompt, through ONNX Runtime's graphs (MatMulNBits, accuracy level 4):
     96.5% on the AVX-512 EPYC; 95.5% (1910 of 2000) with ONNX Runtime 1.32's AVX2 int8 path on the
@@ -72,6 +75,7 @@ def test_teacher_forced_top1_agreement_with_reference(session, windows):
     assert rms < 0.5
 
 
+@pytest.mark.slow
 def test_decode_kernels_top1_agreement_with_reference(session, windows):
     """The same windows token by token, through pinfer's decode path (the C attention and head, the
     FFN as autotune chose): 96.35% (1927 of 2000) on the AVX2-only EPYC, as llama.cpp. Bound 95.5%."""
@@ -118,6 +122,7 @@ def test_chat_reply_is_sensible(session):
     assert steps[-1].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_convert_with_calibration_on_the_real_model(tmp_path):
     """The whole pass pipeline on SmolLM2 with a short calibration (the default uses 24k tokens;
     its figures are in the report of `pinfer convert`). Every measured point is reported, the

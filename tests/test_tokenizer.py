@@ -57,11 +57,13 @@ def _llamacpp_reference() -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+@pytest.mark.real_model
 def test_prompt_ids_match_llamacpp(smollm):
     for case in _llamacpp_reference()["prompts"]:
         assert smollm.encode(case["prompt"]) == case["prompt_ids"], case["prompt"]
 
 
+@pytest.mark.real_model
 def test_generated_ids_decode_to_llamacpp_text(smollm):
     for case in _llamacpp_reference()["prompts"]:
         text = smollm.decode(case["generated_ids_new"])
@@ -69,6 +71,7 @@ def test_generated_ids_decode_to_llamacpp_text(smollm):
         assert smollm.encode(text) == case["generated_ids_new"]
 
 
+@pytest.mark.real_model
 def test_matches_transformers_gguf_tokenizer(smollm, transformers_tokenizer):
     lines = _wikitext_lines(200)
     samples = lines + EDGE_TEXTS + ["".join(lines[:50])]
@@ -78,6 +81,7 @@ def test_matches_transformers_gguf_tokenizer(smollm, transformers_tokenizer):
         assert smollm.decode(expected) == text
 
 
+@pytest.mark.real_model
 def test_every_digit_is_its_own_pretoken(smollm):
     # llama.cpp's "smollm" pre-tokenizer splits on \p{N} before the GPT-2 regex (as SmolLM2's
     # tokenizer.json does with Digits). transformers' GGUF conversion omits that split, so it is
@@ -87,6 +91,7 @@ def test_every_digit_is_its_own_pretoken(smollm):
     assert smollm.encode(text) == [i for p in pieces for i in smollm.encode(p)]
 
 
+@pytest.mark.real_model
 def test_special_tokens_parse_as_single_ids(smollm):
     ids = smollm.encode("<|im_start|>user\nHi<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2
@@ -94,6 +99,7 @@ def test_special_tokens_parse_as_single_ids(smollm):
     assert 1 not in plain and smollm.decode(plain) == "<|im_start|>user"
 
 
+@pytest.mark.real_model
 def test_bos_eos_follow_metadata_unless_asked(smollm):
     # SmolLM2's GGUF sets add_bos_token = false.
     assert smollm.encode("hi")[0] != smollm.bos_id
@@ -101,6 +107,7 @@ def test_bos_eos_follow_metadata_unless_asked(smollm):
     assert smollm.encode("hi", add_eos=True)[-1] == smollm.eos_id
 
 
+@pytest.mark.real_model
 def test_metadata(smollm):
     assert smollm.vocab_size == 49152
     assert (smollm.bos_id, smollm.eos_id) == (1, 2)
@@ -110,6 +117,7 @@ def test_metadata(smollm):
     assert smollm.decode([1, 2], skip_special=True) == ""
 
 
+@pytest.mark.real_model
 def test_stream_decoder_never_splits_characters(smollm):
     text = "Llamas 🦙 and 中文字符 with 👨‍👩‍👧 end"
     ids = smollm.encode(text)
@@ -121,6 +129,7 @@ def test_stream_decoder_never_splits_characters(smollm):
     assert "".join(pieces) + stream.flush() == smollm.decode(ids) == text
 
 
+@pytest.mark.real_model
 def test_stream_decoder_flushes_truncated_character(smollm):
     ids = smollm.encode("🦙")
     stream = smollm.stream()
@@ -128,12 +137,14 @@ def test_stream_decoder_flushes_truncated_character(smollm):
     assert stream.flush() == "\ufffd"
 
 
+@pytest.mark.real_model
 def test_chat_template_is_in_the_file(smollm_reader):
     assert "<|im_start|>" in chat_template_from_gguf(smollm_reader)
 
 
 @pytest.mark.parametrize("name", ["gpt-2", "llama-bpe", "llama-spm", "phi-3", "qwen2", "refact",
                                   "starcoder"])
+@pytest.mark.real_model
 def test_llamacpp_golden_vocab(name):
     """llama.cpp's test-tokenizer-0 cases: add_special and parse_special off."""
     path = llamacpp_vocab(name)
@@ -143,6 +154,7 @@ def test_llamacpp_golden_vocab(name):
         assert tok.decode(ids) == text
 
 
+@pytest.mark.real_model
 def test_spm_marks_and_bytes():
     path = llamacpp_vocab("llama-spm")
     tok = Tokenizer.from_spec(gguf_tokenizer_spec(path))
