@@ -35,7 +35,11 @@ class PathChoice:
     kernel_over_dense: float
     kernel_dense_over_dense: float
     threads: int
-    quiet = False                   # said without -v too
+
+    @property
+    def quiet(self):
+        """Said without -v only where something was measured: an untimed choice is the default."""
+        return not self.tokens
 
     def describe(self):
         timed = (f"time against ONNX Runtime's dense path here ({self.threads} thread{'s' * (self.threads > 1)}, "
