@@ -281,6 +281,12 @@ def _vectors(cfg):
     return out
 
 
+def _rows(tensors, base, fmt, missing):
+    """The first dimension of the first part of block weight `base` in `fmt`, or `missing`."""
+    e = tensors.get(part_name(base, BLOCK_FORMATS[fmt][0])) if fmt in BLOCK_FORMATS else None
+    return e["shape"][0] if isinstance(e, dict) and e["shape"] else missing
+
+
 def _matrices(cfg, weights, tensors):
     """base -> (rows, k, per) of every block-format weight the file holds, as the config implies
     (per: a bundle's rows per neuron, None for a plain matrix), or a problem sentence."""
@@ -291,19 +297,16 @@ def _matrices(cfg, weights, tensors):
         out[ATTN_QKV.format(i)] = ((cfg.n_head + 2 * cfg.n_head_kv) * hd, d, None)
         out[ATTN_OUT.format(i)] = (d, cfg.n_head * hd, None)
         hot = n_ff
-        if FFN_GATE_UP_COLD.format(i) in weights:      # --quant mixed: a hot prefix, the rest cold
-            e = tensors.get(part_name(FFN_GATE_UP.format(i), "q" if weights.get(FFN_GATE_UP.format(i), "")[:1] == "q"
-                                      else "w"))
-            hot = e["shape"][0] if isinstance(e, dict) and e["shape"] else -1
+        if FFN_GATE_UP_COLD.format(i) in weights:      # --quant mixed: a hot prefix (its rows), the rest cold
+            hot = _rows(tensors, FFN_GATE_UP.format(i), weights.get(FFN_GATE_UP.format(i)), -1)
             if not 0 < hot < n_ff:
                 return f"layer {i}'s hot FFN part holds {hot} of its {n_ff} neurons"
             out[FFN_GATE_UP_COLD.format(i)] = (n_ff - hot, d, per)
             out[FFN_DOWN_T_COLD.format(i)] = (n_ff - hot, d, None)
         out[FFN_GATE_UP.format(i)] = (hot, d, per)
         out[FFN_DOWN_T.format(i)] = (hot, d, None)
-        w1 = tensors.get(part_name(FFN_PRED_W1.format(i), "q"))
         if FFN_PRED_W1.format(i) in weights:
-            rank = w1["shape"][0] if isinstance(w1, dict) and w1["shape"] else 0
+            rank = _rows(tensors, FFN_PRED_W1.format(i), weights[FFN_PRED_W1.format(i)], 0)
             out[FFN_PRED_W1.format(i)] = (rank, d, None)
             out[FFN_PRED_W2.format(i)] = (n_ff, rank, None)
     return out
