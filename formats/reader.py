@@ -116,9 +116,25 @@ class PinfReader:
         fmt = self.header["weights"].get(base)
         if fmt not in S.BLOCK_FORMATS:
             self._fail(f"the weight {base!r} has unknown block format {fmt!r}")
-        get = (lambda name: huge_copy(self.tensor(name))) if own else self.tensor
+        get = self._own if own else self.tensor
         return fmt, {p: get(S.part_name(base, p)) for p in S.BLOCK_FORMATS[fmt]
                      if S.part_name(base, p) in self.tensors}
+
+    def _own(self, name):
+        """A copy of tensor `name` (huge_copy), its pages in the map then let go (drop_pages)."""
+        out = huge_copy(self.tensor(name))
+        self.drop_pages(name)
+        return out
+
+    def drop_pages(self, *names):
+        """Let go of the map's pages of these tensors (release() says why): loading copies a
+        tensor at a time, so the file's pages never add up in the process."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        for name in names:
+            e = self.tensors[name]
+            pages = (e["nbytes"] + S.ALIGNMENT - 1) // S.ALIGNMENT * S.ALIGNMENT     # offsets are page-aligned
+            self._mm.madvise(mmap.MADV_DONTNEED, e["offset"], min(pages, self.size - e["offset"]))
 
     def release(self):
         """Let go of the map's pages this process has touched (madvise DONTNEED): they stay in the

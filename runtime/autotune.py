@@ -64,9 +64,16 @@ class PrefillChoice:
     """Up to which prompt length the kernel's batch call takes prompts, from timed ratios."""
     times: tuple                    # ((prompt tokens, kernel time / dense graphs' time), ...)
     up_to: int                      # 0: every prompt through the dense graphs
-    quiet = False
+    untimed: bool = False           # one copy of the weights (loading.one_copy): no graphs to time against
+
+    @property
+    def quiet(self):
+        return self.untimed
 
     def describe(self):
+        if self.untimed:
+            return (f"ffn: prompts through the C kernels' batch calls, {self.up_to} tokens a call at most, untimed: "
+                    "the weights are held once, so ONNX Runtime's graphs (which pack a copy of their own) are not built")
         said = ", ".join(f"{n}: {r:.2f}x" for n, r in self.times)
         if self.up_to and self.up_to not in [n for n, _ in self.times]:
             said += f"; up to {self.up_to} by the bound on the growth of both times"
@@ -215,6 +222,10 @@ def choose_prefill(model):
     grows slower), and the graphs' does not fall as tokens are added. A sparse model whose graphs
     take a dense down projection per token (the ReLU 7B-shaped one: r = 0.10 at 2 tokens, which
     spent the budget) is answered up to 16 tokens that way. Returns a PrefillChoice."""
+    if model.one_copy:
+        model.prefill_by_token = PREFILL_SIZES[-1]
+        model.unbind()
+        return PrefillChoice((), PREFILL_SIZES[-1], untimed=True)
     ids = timing_tokens(model.tokenizer_spec, model.cfg.vocab, PREFILL_SIZES[-1])
     chosen, times, t_start = 0, [], clock()
     for n in PREFILL_SIZES:

@@ -3,7 +3,8 @@ or the hybrid of the plan's hot neurons on the GPU and the rest on the CPU), and
 projection the ONNX path uses (MatMulNBits, pinfer's DownProjection, or a --quant mixed split)."""
 
 from pinfer.formats import schema as S
-from pinfer.kernels import DownProjection
+from pinfer.formats.reader import huge_empty
+from pinfer.kernels import DownProjection, untranspose_r
 
 from . import hybrid
 from .placement import kernel_refusal
@@ -56,12 +57,21 @@ def layer_kernel(model, i, mode):
     on the GPU (or a second CPU kernel with device cpu-split) and the rest on the CPU, over copies
     of the weights in the process's memory (PinfReader.release says why)."""
     r, cfg, dv = model.reader, model.cfg, model.devices
-    parts = (r.block(S.FFN_GATE_UP.format(i), own=True), r.block(S.FFN_DOWN_T.format(i), own=True), None)
+    k = model.plan.hot[i] if model.plan else 0
+    down, rows = S.FFN_DOWN_T.format(i), None
+    if model.one_copy and mode == "dense" and not k and r.header["weights"].get(down) == "q4r":
+        # dense: every token's down projection is row dots over W_down (SparseFFN's rows_from), so the
+        # kernel holds W_down and leaves down_t in the file's map, never read
+        fmt, down_t = r.block(down)
+        rows = untranspose_r(fmt, down_t, empty=huge_empty)
+        r.drop_pages(*(S.part_name(down, p) for p in down_t))
+    elif model.downs:
+        rows = getattr(model.downs[i], "rows", None)    # W_down, shared with MatMulNBits
+    parts = (r.block(S.FFN_GATE_UP.format(i), own=True), r.block(down, own=rows is None or not model.one_copy), None)
     if S.MODES[mode].uses_predictor:
         parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i), own=True),
                               r.block(S.FFN_PRED_W2.format(i), own=True),
                               r.tensor(S.FFN_PRED_B2.format(i))),)
-    k = model.plan.hot[i] if model.plan else 0
     if dv.ffn == "gpu":
         from pinfer.kernels.gpu import HotFFN
         spec = dv.specs[i][0]
@@ -69,7 +79,6 @@ def layer_kernel(model, i, mode):
                                            model.options.deterministic)
     else:
         make = hybrid.cpu_hot_factory(k, cfg.d_model, cfg.ffn_act, model.threads, dv.copier)
-    rows = getattr(model.downs[i], "rows", None) if model.downs else None   # W_down, shared with MatMulNBits
     return hybrid.build(parts, k, cfg.n_ff, cfg.d_model, cfg.ffn_act, model.threads, make,
                         rows if rows and rows[0] == "q4" else None)
 

@@ -3,10 +3,14 @@
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from pinfer.formats import schema as S
 
+from . import native
 from .autotune import PREFILL_SIZES
 from .ffn import down_projection
+from .placement import kernel_refusal
 
 
 def trim_heap():
@@ -62,7 +66,7 @@ def drop_graphs(model):
 def ensure_graphs(model):
     """The dense graphs that drop_graphs let go, made again (a call takes them, or the rules change:
     the timing runs them and new kernels share W_down's rows with the down projections)."""
-    if model.devices.on_device or all(s is not None for s in model.layers):
+    if model.devices.on_device or model.one_copy or all(s is not None for s in model.layers):
         return
     layers, downs = model.layers, model.downs
     model.layers = model.load_map(lambda i: layers[i] if layers[i] is not None else model.devices.session(
@@ -70,3 +74,33 @@ def ensure_graphs(model):
     model.attention.bind(model.layers)
     model.downs = model.load_map(lambda i: downs[i] if downs[i] is not None else down_projection(
         model.reader, model.cfg, i, model.threads), model.cfg.n_layer)
+
+
+# Below this many bytes of layer weights ONNX Runtime's packed copy of the dense graphs costs little
+# (SmolLM2: about 100 MB), and its batched prompts were faster than the kernel's batch call on small
+# rows (SmolLM2, 64 tokens, 1 thread: 357 against 238 tok/s), so such models keep the graphs and
+# time the two at load. Above it the graphs' copy would double the weights in memory.
+ONE_COPY_MIN_BYTES = 512 << 20
+
+
+def one_copy(model, modes):
+    """Why the model under `modes` cannot hold one copy of its weights (every step through pinfer's
+    C kernels, no ONNX Runtime layer graph built), or None where it can: everything on the CPU, the
+    default kernels (--ffn-kernel auto, --dense-kernel on), every layer dense (a sparse rule is timed
+    against the graphs) and of a kind the C attention and the fused FFN take, and a model large
+    enough that the graphs' copy matters (ONE_COPY_MIN_BYTES)."""
+    dv, opt, r, cfg = model.devices, model.options, model.reader, model.cfg
+    if dv.on_device or dv.ffn != "cpu" or dv.dense != "cpu" or dv.act_at != "cpu" or dv.act_dtype != np.float32:
+        return "a device takes part of the model"
+    if opt.kernels != "auto" or opt.dense_kernel != "on":
+        return "--ffn-kernel or --dense-kernel asks for ONNX Runtime's graphs"
+    if any(mode != "dense" for mode in modes):
+        return "sparse rules are timed against the dense graphs"
+    layer_bytes = sum(e["nbytes"] for name, e in r.tensors.items() if name.startswith("blk."))
+    if layer_bytes < ONE_COPY_MIN_BYTES:
+        return f"the layers' {layer_bytes / 2**20:.0f} MB are few enough to keep the graphs' copy"
+    for i in range(cfg.n_layer):
+        why = native.refusal(r, cfg, i) or kernel_refusal(r, cfg, i)
+        if why:
+            return f"layer {i}: {why}"
+    return None

@@ -22,7 +22,7 @@ from . import accounting, autotune, native, selfcheck
 from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
-from .loading import drop_graphs, ensure_graphs, load_map
+from .loading import drop_graphs, ensure_graphs, load_map, one_copy
 from .options import DEFAULT_CTX, RuntimeOptions
 from .sparse import Counters, LayerFfn, LayerRule, Rule
 from .steps import Steps
@@ -53,12 +53,18 @@ class Model:
         # copy every gate/up row into VRAM): every token, prompt ones too, takes the decode path.
         # per-layer loading, a layer per thread where everything stays on the CPU
         self.load_map = load_map(self.threads if dv.ffn == "cpu" and dv.dense == "cpu" else 1, r)
-        self.head = dv.session(S.HEAD_GRAPH, self.threads)
-        self.layers = self.load_map(lambda i: dv.session(S.LAYER_GRAPH.format(i), self.threads,
-                                                         attention_only=dv.on_device), cfg.n_layer)
+        self._head_session = None       # ONNX Runtime's head graph, made on first need (head)
+        # one copy of the weights where the C kernels take every step (loading.one_copy): no layer graphs
+        self.one_copy = one_copy(self, [Rule.of_layer(r.header, i, options.sparsity).mode
+                                        for i in range(cfg.n_layer)]) is None
+        if self.one_copy:
+            self.layers = self.downs = [None] * cfg.n_layer
+        else:
+            self.layers = self.load_map(lambda i: dv.session(S.LAYER_GRAPH.format(i), self.threads,
+                                                             attention_only=dv.on_device), cfg.n_layer)
+            self.downs = [None] * cfg.n_layer if dv.on_device else \
+                self.load_map(lambda i: down_projection(r, cfg, i, self.threads), cfg.n_layer)
         self.attn = self.layers if dv.on_device else None   # attention-only sessions, made on first need
-        self.downs = [None] * cfg.n_layer if dv.on_device else \
-            self.load_map(lambda i: down_projection(r, cfg, i, self.threads), cfg.n_layer)
         self.counters = Counters()
         self.attention = AttentionState(cfg, self.n_ctx, dv.act_dtype, dv.act_at,
                                         r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None, dv.kv_dtype)
@@ -72,6 +78,14 @@ class Model:
         self.n_past = 0
         self.set_sparsity(options.sparsity)
         self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def head(self):
+        """The head's ONNX Runtime session, made on first need: the C kernels' head (native_head)
+        takes every call's logits where it covers the model and one copy of the weights is held."""
+        if self._head_session is None:
+            self._head_session = self.devices.session(S.HEAD_GRAPH, self.threads)
+        return self._head_session
 
     def set_sparsity(self, override=""):
         """Switch every layer to the rule `override` (RuntimeOptions.sparsity), or back to the
@@ -103,6 +117,7 @@ class Model:
         """Plan the hot neurons for `modes` (where a split device is in use), then build the layers'
         fused FFNs with make_ffns() and, for them, the attention-only sessions; prompts go through
         the dense graphs until autotune says so."""
+        self.one_copy = self.one_copy and one_copy(self, modes) is None
         ensure_graphs(self)
         self.devices.release(self.ffns)
         split = self.devices.ffn != "cpu"
@@ -110,7 +125,7 @@ class Model:
         self.ffns = make_ffns()
         if split:
             self.devices.report(self.plan)
-        if any(self.ffns) and self.attn is None:      # where the C kernels do not take the attention
+        if any(self.ffns) and self.attn is None and not self.one_copy:   # where the C kernels do not take the attention
             self.attn = self.load_map(lambda i: None if self.native[i] else self.devices.session(
                 S.LAYER_GRAPH.format(i), self.threads, attention_only=True), self.cfg.n_layer)
             self.attention.bind(self.attn)
@@ -208,6 +223,8 @@ class Model:
         own buffers, bound for that row count."""
         if self.native_head is not None and resid.shape[1] - start == 1:
             return self.native_head(resid, delta)
+        if self.native_head is not None and self.one_copy:
+            return self.native_head.rows(resid, delta, start)
         on_device = self.devices.on_device
         shape = ("device", id(resid)) if on_device else resid.shape[1] - start
         if self._head_shape != shape:

@@ -66,6 +66,14 @@ class Head:
         self.run()
         return self.logits[None].copy()
 
+    def rows(self, resid, delta, start):
+        """Logits (n - start, vocab) of rows start.. of the buffers, one call each."""
+        n = resid.shape[1]
+        out = np.empty((n - start, len(self.logits)), np.float32)
+        for j, t in enumerate(range(start, n)):
+            self.step.bind(resid.np[0, t], delta.np[0, t], out[j])()
+        return out
+
 
 def head(reader, cfg, threads):
     """The Head, or None where refusal() says why not."""
@@ -76,10 +84,13 @@ def head(reader, cfg, threads):
                          softcap=cfg.final_softcap, threads=threads), cfg.vocab)
 
 
-def bind_layer(step, state, i, resid, delta, resid_out, x_out, t=0):
-    """Layer i's AttentionStep bound to the model's buffers (Bufs in host memory, (1, n, d): token t of
-    the call) and to its KV cache, RoPE tables and lengths (kv.AttentionState)."""
+def bind_layer(step, state, i, resid, delta, resid_out, x_out):
+    """Layer i's AttentionStep bound to the model's buffers (Bufs in host memory, (1, n, d)) and to
+    its KV cache, RoPE tables and lengths (kv.AttentionState): one token, or a prompt's n tokens in
+    one call of the kernel."""
     k, v, cos, sin = state.layer(i)
-    n = resid.shape[1]
-    return step.bind(resid.np[0, t], delta.np[0, t], resid_out.np[0, t], x_out.np[0, t], k.np, v.np,
-                     cos.np, sin.np, np.asarray(state.total).reshape(1), n - 1 - t)
+    total = np.asarray(state.total).reshape(1)
+    if resid.shape[1] == 1:
+        return step.bind(resid.np[0, 0], delta.np[0, 0], resid_out.np[0, 0], x_out.np[0, 0], k.np, v.np, cos.np, sin.np,
+                         total)
+    return step.bind_batch(resid.np[0], delta.np[0], resid_out.np[0], x_out.np[0], k.np, v.np, cos.np, sin.np, total)

@@ -37,9 +37,9 @@ class Steps:
         LayerFfn, default the layer's), or the whole layer graph, `rule` (default the layer's) and
         the down projection."""
         m = self.model
-        if kernel and m.native[i] is not None:     # the attention through the C kernels, token by token
+        if kernel and m.native[i] is not None:     # the attention through the C kernels, a prompt in one call
             attn = [native.bind_layer(m.native[i], m.attention, i, self.resid[i % 2], self.delta,
-                                      self.resid[(i + 1) % 2], self.x, t) for t in range(self.n)]
+                                      self.resid[(i + 1) % 2], self.x)]
         else:
             layer = m.attn[i] if kernel else m.layers[i]
             if not kernel:

@@ -295,6 +295,73 @@ def test_attention_step_against_numpy(hd, softcap, isa):
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (n, np.abs(got - want).max())
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q5", "q8", "f16", "f32", "q4-576"])
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_attention_batch_gives_each_token_its_own_calls_bits(fmt, kv, isa):
+    """pinfer_attn_batch over a prompt's tokens against one pinfer_attn_call per token, in order,
+    from the same cache: the same bits (resid_out, x_out and the cache). Exact because decode.c
+    computes each token's dots with the same function over the same row and x whatever the batch
+    holds, and a token's heads read the cache up to its own position in the same order. Two
+    threads, 1 to MAX_BATCH tokens after 5 cached ones, biases on, GQA (4 heads over 2)."""
+    from pinfer.kernels import MAX_BATCH
+    sparse_isa(isa)
+    base = fmt.split("-")[0]
+    rng = np.random.default_rng(7)
+    n_head, n_kv, hd, n_ctx = 4, 2, 144 if fmt == "q4-576" else 32, 80
+    d = n_head * hd
+    n_qkv = (n_head + 2 * n_kv) * hd
+
+    def weight(rows, k):
+        w = (rng.standard_normal((rows, k)) / np.sqrt(k)).astype(np.float32)
+        return base, {"w": w} if base == "f32" else blocks.quantize(base, w)
+    qkv, out = weight(n_qkv, d), weight(d, d)
+    g1, g2 = ((1 + 0.1 * rng.standard_normal(d)).astype(np.float32) for _ in range(2))
+    step = AttentionStep(qkv, out, g1, g2, n_head=n_head, n_kv=n_kv, head_dim=hd, rot=hd, interleaved=False,
+                         eps=1e-5, qkv_bias=rng.standard_normal(n_qkv).astype(np.float32),
+                         out_bias=rng.standard_normal(d).astype(np.float32),
+                         down_bias=rng.standard_normal(d).astype(np.float32), threads=2)
+    angle = np.arange(n_ctx)[:, None] * 10000.0 ** (-np.arange(hd // 2) / (hd // 2))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    start = (rng.standard_normal((1, n_kv, n_ctx, hd)).astype(kv) for _ in range(2))
+    k0, v0 = start
+    for nt in (1, 2, 7, 58, MAX_BATCH):
+        resid, delta = (rng.standard_normal((nt, d)).astype(np.float32) for _ in range(2))
+        caches, outs = [], []
+        for batch in (False, True):
+            k, v = k0.copy(), v0.copy()
+            resid_out, x_out = np.zeros((nt, d), np.float32), np.zeros((nt, d), np.float32)
+            total = np.array([5 + nt], np.int32)
+            if batch:
+                step.bind_batch(resid, delta, resid_out, x_out, k, v, cos, sin, total)()
+            else:
+                for t in range(nt):
+                    step.bind(resid[t], delta[t], resid_out[t], x_out[t], k, v, cos, sin, total, nt - 1 - t)()
+            caches.append((k, v))
+            outs.append((resid_out, x_out))
+        for a, b in zip(caches[0] + outs[0], caches[1] + outs[1]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_attention_batch_refuses_what_does_not_fit():
+    """More tokens than MAX_BATCH, or a batch past the cache's end, get one sentence."""
+    from pinfer.kernels import MAX_BATCH
+    rng = np.random.default_rng(0)
+    n_head, hd, n_ctx, d = 2, 32, 8, 64
+    w = lambda rows: ("f32", {"w": rng.standard_normal((rows, d)).astype(np.float32)})  # noqa: E731
+    step = AttentionStep(w(3 * d), w(d), np.ones(d, np.float32), np.ones(d, np.float32), n_head=n_head, n_kv=n_head,
+                         head_dim=hd, rot=hd, interleaved=False, eps=1e-5)
+    cos = sin = np.zeros((n_ctx, hd // 2), np.float32)
+    k = v = np.zeros((1, n_head, n_ctx, hd), np.float32)
+    big = np.zeros((MAX_BATCH + 1, d), np.float32)
+    with pytest.raises(ValueError, match="1 to 64 tokens"):
+        step.bind_batch(big, big, big, big, k, v, cos, sin, np.array([1], np.int32))
+    rows = np.zeros((4, d), np.float32)
+    run = step.bind_batch(rows, rows, rows.copy(), rows.copy(), k, v, cos, sin, np.array([n_ctx + 1], np.int32))
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        run()
+
+
 def test_prompts_through_the_kernels_batch_call_with_native_attention(gguf_file, monkeypatch):
     """A prompt through the kernel's batch call runs its attention token by token through the C
     kernels, then decode goes on from the same cache: as the graphs' prompt would."""

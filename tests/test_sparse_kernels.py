@@ -411,3 +411,25 @@ def test_batch_with_row_dots_and_threads(isa):
     np.testing.assert_array_equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="1 to 64 tokens"):
         ffn.bind_batch(np.zeros((65, d), np.float32), np.zeros((65, d), np.float32))
+
+
+@pytest.mark.parametrize("isa", AVAILABLE)
+@pytest.mark.parametrize("gu_fmt", ["q4", "q5"])
+@pytest.mark.parametrize("nt", [2, 5, 64])
+def test_dense_batch_of_wide_rows_gives_each_token_its_single_call_bits(isa, gu_fmt, nt):
+    """A dense batch over rows wider than SHORT_ROW (as at 7B shapes) takes the gate/up bundle as one
+    matrix and W_down's rows for every token through pinfer_q4_rows' tiles of four tokens
+    (AVX-512); each token still gets its single call's bits, on 1 and 2 threads. nt 5: a tile's
+    last tokens alone; 1088 columns: a partial block of sixteen groups; n 1056: rows past the last
+    whole tile."""
+    sparse_isa(isa)
+    n, d = 1056, 1088
+    gf, gparts, _, _ = gate_up(gu_fmt, n, d)
+    df, dparts, _ = down("q4r", n, d)
+    x = RNG.standard_normal((nt, d)).astype(np.float32)
+    for threads in (1, 2):
+        ffn = SparseFFN((gf, gparts), (df, dparts), n, d, threads=threads, down_rows="transpose", rows_from=0.5)
+        want, _, _ = per_token(ffn, x, "dense", 0.0, 0.0)
+        y = np.empty_like(x)
+        ffn.bind_batch(x, y, "dense")()
+        np.testing.assert_array_equal(y, want)

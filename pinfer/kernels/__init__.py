@@ -27,9 +27,11 @@ def _load():
     lib.pinfer_untranspose_q.restype = None
     lib.pinfer_sparse_isa.argtypes = [c_int]
     lib.pinfer_sparse_isa.restype = c_int
-    for fn in ("pinfer_attn_call", "pinfer_head_call", "pinfer_attn_work", "pinfer_head_work"):
+    for fn in ("pinfer_attn_call", "pinfer_head_call", "pinfer_head_work"):
         getattr(lib, fn).argtypes = [p]
         getattr(lib, fn).restype = i64 if fn.endswith("_work") else c_int
+    lib.pinfer_attn_work.argtypes = lib.pinfer_attn_batch.argtypes = [p, i64]
+    lib.pinfer_attn_work.restype, lib.pinfer_attn_batch.restype = i64, c_int
     check_abi(lib)
     return lib
 
@@ -45,6 +47,7 @@ def abi():
     structs = {"ffn_call_t": _Call, "rows_t": _Rows, "linear_t": decode._Linear, "attn_call_t": decode._AttnCall,
                "head_call_t": decode._HeadCall}
     out.update({f"sizeof.{name}": ctypes.sizeof(t) for name, t in structs.items()})
+    out["max_batch"] = MAX_BATCH
     return out
 
 
@@ -69,14 +72,14 @@ class _Library:
     def __getattr__(self, name):
         lib = _load()
         for fn in ("pinfer_down", "pinfer_untranspose_q", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa", "pinfer_attn_call",
-                   "pinfer_head_call", "pinfer_attn_work", "pinfer_head_work"):
+                   "pinfer_attn_batch", "pinfer_head_call", "pinfer_attn_work", "pinfer_head_work"):
             setattr(self, fn, getattr(lib, fn))
         return getattr(lib, name)
 
 
 _lib = _Library()
 MAX_D = 65536   # d_model the sparse FFN's stack buffers hold (ffn_sparse.c)
-MAX_BATCH = 64  # tokens of one batch call (ffn_sparse.c: a neuron's tokens are one 64-bit mask)
+MAX_BATCH = 64  # tokens of one batch call (csrc/codes.h: the FFN's tokens of a neuron are one 64-bit mask)
 
 # The numbers the kernels take, as csrc/codes.h defines them (check_abi compares them when the
 # library loads); a mode's are schema.MODES' codes. Block format (formats/schema.py) -> FMT_*; every

@@ -7,7 +7,7 @@ import numpy as np
 
 from pinfer.formats import schema as S
 
-from . import _check, _lib, _parts
+from . import MAX_BATCH, _check, _lib, _parts
 
 LINEAR_FORMATS = ("q4", "q5", "q8", "f16", "f32")
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -88,6 +88,31 @@ class AttentionStep:
         """Fix the buffers (float32; k/v_cache (1, n_kv, n_ctx, head_dim) float32 or float16, both
         the same, cos/sin (n_ctx, rot/2), total an int32 scalar array: the cached length once the
         call is done, of which this token is `back` from the end); returns a zero-argument callable."""
+        call, ref, work = self._call(1, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total, back)
+        f = _lib.pinfer_attn_call
+
+        def run():
+            if f(ref):
+                raise ValueError("the attention kernel's position is outside the KV cache")
+        run.keep = (call, work, self, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total)
+        return run
+
+    def bind_batch(self, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total):
+        """bind() for the last nt tokens of a call in one call of the kernel (pinfer_attn_batch: each
+        weight row read once for all of them): resid ... x_out (nt, d), 1 <= nt <= MAX_BATCH."""
+        nt = len(resid)
+        if not 1 <= nt <= MAX_BATCH:
+            raise ValueError(f"an attention batch is 1 to {MAX_BATCH} tokens, not {nt}")
+        call, ref, work = self._call(nt, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total, 0)
+        f = _lib.pinfer_attn_batch
+
+        def run():
+            if f(ref, nt):
+                raise ValueError("the attention kernel's positions are outside the KV cache")
+        run.keep = (call, work, self, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total)
+        return run
+
+    def _call(self, nt, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total, back):
         sh = self.shape
         d, n_ctx = sh["d"], k_cache.shape[2]
         kv = k_cache.dtype
@@ -101,21 +126,16 @@ class AttentionStep:
                                                                                               (v_cache, "v cache"))),
                          *(_buffer(t, n_ctx * (sh["rot"] // 2), name) for t, name in ((cos, "cos"), (sin, "sin"))),
                          _buffer(total, 1, "total", np.int32), back,
-                         *(_buffer(a, d, name) for a, name in ((resid, "resid"), (delta, "delta"),
-                                                               (resid_out, "resid_out"), (x_out, "x_out"))),
+                         *(_buffer(a, nt * d, name) for a, name in ((resid, "resid"), (delta, "delta"),
+                                                                    (resid_out, "resid_out"), (x_out, "x_out"))),
                          None, self.threads, int(kv == np.float16))
-        need = _lib.pinfer_attn_work(ctypes.byref(call))
+        ref = ctypes.byref(call)
+        need = _lib.pinfer_attn_work(ref, nt)
         if len(self.work) < need:       # calls bound before keep the smaller buffer they point into
             self.work = np.empty(need, np.float32)
         work = self.work
         call.work = work.ctypes.data
-        ref, f = ctypes.byref(call), _lib.pinfer_attn_call
-
-        def run():
-            if f(ref):
-                raise ValueError("the attention kernel's position is outside the KV cache")
-        run.keep = (call, work, self, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total)
-        return run
+        return call, ref, work
 
 
 class HeadStep:

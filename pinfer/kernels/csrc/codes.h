@@ -13,5 +13,8 @@ enum { MODE_DENSE = 0, MODE_DOWN = 1, MODE_PREDICTED = 2, MODE_RELU = 3, MODE_GI
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
 /* a mode's rule, as the GPU kernels take it (pinfer/kernels RULES): "rule.all" ... */
 enum { RULE_ALL = 0, RULE_THRESHOLD = 1, RULE_NONZERO = 2 };
+/* tokens of one batch call (pinfer_ffn_batch, pinfer_attn_batch): the FFN's tokens of a neuron are
+   one 64-bit mask; "max_batch" */
+#define MAX_BATCH 64
 
 #endif

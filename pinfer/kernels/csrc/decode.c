@@ -19,8 +19,8 @@
  * 128 with int8 x per group), f16 and f32 (float x). Each output row is one thread's, so no result
  * depends on the thread count.
  *
- * A prompt's tokens take one call each, in order (`back` says which); every layer's attention is
- * then the same computation as a single token's.
+ * A prompt's tokens take one call of up to MAX_BATCH tokens (pinfer_attn_batch): each weight row is
+ * read once for all of them, and each token's result is the one a call of its own gives.
  *
  * Layouts: the KV cache (n_kv, n_ctx, hd) f32 or f16 (kv_f16) per layer, as GroupQueryAttention keeps
  * it; cos/sin (n_ctx, rot/2) f32. `work`: pinfer_attn_work / pinfer_head_work floats of scratch.
@@ -191,54 +191,64 @@ float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int6
 
 typedef struct {
     const linear_t *w;
-    const qx_t *qx;
-    const float *x;
-    float *y;
+    const qx_t *qx;                     /* nt tokens' x quantized (q4, q5, q8) */
+    const float *x;                     /* nt tokens' x, w->k apart (f16, f32) */
+    float *y;                           /* nt tokens' y, w->rows apart */
+    int64_t nt;
     int isa;
 } lin_t;
 
-/* Rows 4 * b0 .. 4 * b1 (the last range ends at the matrix's end): the ranges hold whole blocks of
-   four, so a matrix's rows go in the same blocks on any number of threads, and the rows left over
-   at its end alone (a row read alone sums in another order: dots.h). */
+/* Rows 4 * b0 .. 4 * b1 (the last range ends at the matrix's end) against every token: the ranges
+   hold whole blocks of four, so a matrix's rows go in the same blocks on any number of threads, and
+   the rows left over at its end alone (a row read alone sums in another order: dots.h). Each row
+   meets every token while in cache, and a token's dot is the same whatever nt is. */
 static void lin_rows(void *p, int64_t b0, int64_t b1) {
     const lin_t *l = p;
     const linear_t *w = l->w;
-    const int64_t k = w->k, ng = k / G, r0 = 4 * b0, r1 = 4 * b1 < w->rows ? 4 * b1 : w->rows;
+    const int64_t k = w->k, ng = k / G, n = w->rows, r0 = 4 * b0, r1 = 4 * b1 < n ? 4 * b1 : n;
     int64_t r = r0;
     if (w->fmt == FMT_Q4 || w->fmt == FMT_Q5) {
-        pinfer_q4_rows(w, l->qx, 1, l->y, 0, b0, b1);
+        pinfer_q4_rows(w, l->qx, l->nt, l->y, n, b0, b1);
         r = r1;
     }
     const int64_t ahead8 = rows_ahead(k);
-    for (; r < r1; r++) {
-        float v;
-        switch (w->fmt) {
-        case FMT_Q8: {
-            const uint8_t *q = (const uint8_t *)w->q + r * k;
-            v = dot_q8(q, w->scale + r * ng, l->qx, k, l->isa, r + ahead8 < w->rows ? q + ahead8 * k : NULL);
-            break;
+    for (; r < r1; r++)
+        for (int64_t t = 0; t < l->nt; t++) {
+            float v;
+            switch (w->fmt) {
+            case FMT_Q8: {
+                const uint8_t *q = (const uint8_t *)w->q + r * k;
+                v = dot_q8(q, w->scale + r * ng, &l->qx[t], k, l->isa,
+                           t == 0 && r + ahead8 < n ? q + ahead8 * k : NULL);
+                break;
+            }
+            case FMT_F16:
+                v = pinfer_dot_f16((const uint16_t *)w->q + r * k, l->x + t * k, k);
+                break;
+            default:
+                v = pinfer_dot_f32((const float *)w->q + r * k, l->x + t * k, k);
+            }
+            l->y[t * n + r] = v;
         }
-        case FMT_F16:
-            v = pinfer_dot_f16((const uint16_t *)w->q + r * k, l->x, k);
-            break;
-        default:
-            v = pinfer_dot_f32((const float *)w->q + r * k, l->x, k);
-        }
-        l->y[r] = v;
-    }
     if (w->bias)
-        for (r = r0; r < r1; r++) l->y[r] += w->bias[r];
+        for (int64_t t = 0; t < l->nt; t++)
+            for (r = r0; r < r1; r++) l->y[t * n + r] += w->bias[r];
 }
 
 /* Floats of scratch for x quantized at length k. */
 static int64_t qx_floats(int64_t k) { return (pinfer_qx_bytes(k) + 3) / 4; }
 
-static void linear(const linear_t *w, const float *x, float *y, float *qbuf, int threads, int isa) {
-    qx_t qx = pinfer_qx_at(qbuf, w->k);
-    if (w->fmt == FMT_Q4 || w->fmt == FMT_Q5) pinfer_quantize_x(x, w->k, &qx);
-    else if (w->fmt == FMT_Q8) quantize_natural(x, w->k, &qx);
-    lin_t l = {w, &qx, x, y, isa};
-    pinfer_parallel(w->rows * w->k >= PARALLEL_WORK ? threads : 1, (w->rows + 3) / 4, lin_rows, &l);
+/* y (nt, rows) = x (nt, k) W^T (+ bias), each weight row read once for the nt tokens; qbuf holds nt
+   quantized x of qx_floats(k) floats each. */
+static void linear(const linear_t *w, const float *x, float *y, int64_t nt, float *qbuf, int threads, int isa) {
+    qx_t qx[MAX_BATCH];
+    for (int64_t t = 0; t < nt; t++) {
+        qx[t] = pinfer_qx_at(qbuf + t * qx_floats(w->k), w->k);
+        if (w->fmt == FMT_Q4 || w->fmt == FMT_Q5) pinfer_quantize_x(x + t * w->k, w->k, &qx[t]);
+        else if (w->fmt == FMT_Q8) quantize_natural(x + t * w->k, w->k, &qx[t]);
+    }
+    lin_t l = {w, qx, x, y, nt, isa};
+    pinfer_parallel(nt * w->rows * w->k >= PARALLEL_WORK ? threads : 1, (w->rows + 3) / 4, lin_rows, &l);
 }
 
 /* -- norms, RoPE, attention ---------------------------------------------------------------------- */
@@ -489,21 +499,17 @@ static void heads(void *p, int64_t h0, int64_t h1) {
 
 static int64_t kmax(const attn_call_t *a) { return a->d > a->out.k ? a->d : a->out.k; }
 
-/* Floats of scratch a layer's call takes: x, qkv, the heads' output, scores, quantized x. */
-int64_t pinfer_attn_work(const attn_call_t *a) {
-    return a->d + a->qkv.rows + a->out.k + a->n_head * a->n_ctx + qx_floats(kmax(a));
+/* Floats of scratch a layer's call over nt tokens takes: per token x, qkv, the heads' output and
+   quantized x; the scores of one token's heads. */
+int64_t pinfer_attn_work(const attn_call_t *a, int64_t nt) {
+    return nt * (kmax(a) + a->qkv.rows + a->out.k + qx_floats(kmax(a))) + a->n_head * a->n_ctx;
 }
 
 int64_t pinfer_head_work(const head_call_t *a) { return 2 * a->d + qx_floats(a->d); }
 
-static void attn_token(const attn_call_t *a, int threads, int isa) {
-    const int64_t d = a->d, hd = a->hd, pos = *a->total - 1 - a->back, half = a->rot / 2;
-    float *x = a->work, *qkv = x + d, *att = qkv + a->qkv.rows, *scores = att + a->out.k, *qbuf = scores + a->n_head * a->n_ctx;
-    float *r = a->resid_out;
-    for (int64_t i = 0; i < d; i++) r[i] = a->resid[i] + a->delta[i];
-    rms_norm(r, a->attn_norm, a->eps, d, x);
-    linear(&a->qkv, x, qkv, qbuf, threads, isa);
-
+/* RoPE on one token's q and k (qkv: its row), and its k and v into the cache at pos. */
+static void rope_store(const attn_call_t *a, float *qkv, int64_t pos) {
+    const int64_t hd = a->hd, half = a->rot / 2;
     float *q = qkv, *k = qkv + a->n_head * hd, *v = k + a->n_kv * hd;
     const float *c = a->cos + pos * half, *s = a->sin + pos * half;
     for (int64_t h = 0; h < a->n_head; h++) rope(q + h * hd, c, s, a->rot, a->interleaved);
@@ -521,23 +527,57 @@ static void attn_token(const attn_call_t *a, int threads, int isa) {
             memcpy((float *)a->v_cache + at, v + h * hd, (size_t)hd * sizeof(float));
         }
     }
-    heads_t t = {a, q, att, scores, pos + 1, isa};
-    pinfer_parallel(a->n_head * (pos + 1) * hd >= PARALLEL_WORK / 4 ? threads : 1, a->n_head, heads, &t);
-
-    linear(&a->out, att, x, qbuf, threads, isa);
-    for (int64_t i = 0; i < d; i++) r[i] += x[i];
-    rms_norm(r, a->ffn_norm, a->eps, d, a->x_out);
-    if (a->down_bias)
-        for (int64_t i = 0; i < d; i++) r[i] += a->down_bias[i];
 }
 
-/* Returns 0, or -1 when the position is outside the cache. */
+/* The layer over nt consecutive tokens from position pos0 (resid ... x_out: nt rows of d): each
+   token's result is the one its own call gives (the linear layers' dots do not depend on nt, and a
+   token's heads read the cache up to its own position, which the batch has written before). */
+static void attn_tokens(const attn_call_t *a, int64_t nt, int64_t pos0, int threads, int isa) {
+    const int64_t d = a->d, hd = a->hd, km = kmax(a);
+    float *x = a->work, *qkv = x + nt * km, *att = qkv + nt * a->qkv.rows, *scores = att + nt * a->out.k;
+    float *qbuf = scores + a->n_head * a->n_ctx;
+    for (int64_t t = 0; t < nt; t++) {
+        float *r = a->resid_out + t * d;
+        for (int64_t i = 0; i < d; i++) r[i] = a->resid[t * d + i] + a->delta[t * d + i];
+        rms_norm(r, a->attn_norm, a->eps, d, x + t * d);
+    }
+    linear(&a->qkv, x, qkv, nt, qbuf, threads, isa);
+    for (int64_t t = 0; t < nt; t++) rope_store(a, qkv + t * a->qkv.rows, pos0 + t);
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t pos = pos0 + t;
+        heads_t h = {a, qkv + t * a->qkv.rows, att + t * a->out.k, scores, pos + 1, isa};
+        pinfer_parallel(a->n_head * (pos + 1) * hd >= PARALLEL_WORK / 4 ? threads : 1, a->n_head, heads, &h);
+    }
+    linear(&a->out, att, x, nt, qbuf, threads, isa);
+    for (int64_t t = 0; t < nt; t++) {
+        float *r = a->resid_out + t * d;
+        for (int64_t i = 0; i < d; i++) r[i] += x[t * d + i];
+        rms_norm(r, a->ffn_norm, a->eps, d, a->x_out + t * d);
+        if (a->down_bias)
+            for (int64_t i = 0; i < d; i++) r[i] += a->down_bias[i];
+    }
+}
+
+/* One token, `back` tokens before the end of the call. Returns 0, or -1 when the position is
+   outside the cache. */
 int pinfer_attn_call(const attn_call_t *a) {
     const int64_t pos = *a->total - 1 - a->back;
     if (pos < 0 || pos >= a->n_ctx) return -1;
     const int isa = pinfer_sparse_isa(-1);
     const int threads = pinfer_pool_enter(a->threads);
-    attn_token(a, threads, isa);
+    attn_tokens(a, 1, pos, threads, isa);
+    pinfer_pool_leave(a->threads);
+    return 0;
+}
+
+/* The call's last nt tokens (back 0) in one call: every weight row read once for all of them
+   (a prompt). Returns 0, or -1 when they do not fit the cache or nt is not 1..MAX_BATCH. */
+int pinfer_attn_batch(const attn_call_t *a, int64_t nt) {
+    const int64_t pos0 = *a->total - nt;
+    if (nt < 1 || nt > MAX_BATCH || a->back || pos0 < 0 || pos0 + nt > a->n_ctx) return -1;
+    const int isa = pinfer_sparse_isa(-1);
+    const int threads = pinfer_pool_enter(a->threads);
+    attn_tokens(a, nt, pos0, threads, isa);
     pinfer_pool_leave(a->threads);
     return 0;
 }
@@ -549,7 +589,7 @@ int pinfer_head_call(const head_call_t *a) {
     const int threads = pinfer_pool_enter(a->threads);
     for (int64_t i = 0; i < d; i++) r[i] = a->resid[i] + a->delta[i];
     rms_norm(r, a->norm, a->eps, d, x);
-    linear(&a->w, x, a->logits, x + d, threads, isa);
+    linear(&a->w, x, a->logits, 1, x + d, threads, isa);
     pinfer_pool_leave(a->threads);
     if (a->softcap > 0.0f)
         for (int64_t i = 0; i < a->w.rows; i++) a->logits[i] = a->softcap * tanhf(a->logits[i] / a->softcap);

@@ -1,0 +1,125 @@
+"""One copy of the weights (runtime/loading.one_copy): where pinfer's C kernels take every step of a
+dense model on the CPU, no ONNX Runtime layer graph is built, prompts go through the kernels' batch
+calls, and the process holds each weight once.
+
+loading.ONE_COPY_MIN_BYTES keeps small models on the graphs; the tests lower it to 0 to take the
+path with small files."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from pinfer.runtime import autotune, loading
+from pinfer.runtime.model import Model, RuntimeOptions
+from pinfer.runtime.sparse import Rule
+
+IDS = [int(i) for i in np.random.default_rng(5).integers(3, 300, 40)]
+
+
+def _run(m, prompt=24):
+    m.reset()
+    out = [m.forward(IDS[:prompt], logits_from=0)]
+    out += [m.forward([t]) for t in IDS[prompt:]]
+    return np.concatenate(out)
+
+
+def _load(path, one_copy, monkeypatch, **kw):
+    """The tiny SiLU model (calibrated down:0.4 per layer) run dense unless kw says otherwise."""
+    monkeypatch.setattr(loading, "ONE_COPY_MIN_BYTES", 0 if one_copy else 1 << 60)
+    return Model(path, RuntimeOptions(threads=2, n_ctx=128, kv_type="f32", **{"sparsity": "dense", **kw}))
+
+
+def test_one_copy_builds_no_layer_graph_and_gives_the_graphs_results(silu_file, monkeypatch):
+    """The tiny SiLU model one copy: no layer session and no down projection of the ONNX path, the
+    prompt timing untimed (said only with -v), every prompt through the batch calls; its logits
+    against the same model with the graphs (prompt and decode): the graphs' prompt quantizes each
+    matmul's x on its own, so as in test_native: float rounding for most tokens, one int8 step of
+    x (1e-2 of the largest logit) for all, and the same greedy token."""
+    graphs = _load(silu_file, False, monkeypatch)
+    graphs.prefill_through_kernel(0)        # every prompt through the layer graphs
+    want = _run(graphs)
+    assert not graphs.one_copy and all(s is not None for s in graphs.layers + graphs.downs)
+    m = _load(silu_file, True, monkeypatch)
+    assert m.one_copy
+    assert m.layers == [None] * m.cfg.n_layer and m.downs == [None] * m.cfg.n_layer and m.attn is None
+    assert all(f is not None for f in m.ffns) and all(s is not None for s in m.native)
+    choice = [c for c in m.notes if isinstance(c, autotune.PrefillChoice)]
+    assert len(choice) == 1 and choice[0].untimed and choice[0].quiet and "held once" in choice[0].describe()
+    assert m.batches(24) and autotune.chunk_size(m, 100) == 50     # two equal batch calls
+    got = _run(m)
+    assert m.layers == [None] * m.cfg.n_layer       # no call built a graph
+    err = np.abs(got - want).max(axis=-1) / np.abs(want).max()
+    assert np.median(err) <= 1e-5 and err.max() <= 1e-2, err
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_a_sparse_rule_brings_the_graphs_back(silu_file, monkeypatch):
+    """A sparse rule is timed against the dense graphs: set_sparsity builds them, times the three
+    ways and decodes (which way wins on the tiny model depends on the moment, so only that it runs)."""
+    m = _load(silu_file, True, monkeypatch)
+    assert m.one_copy
+    m.set_sparsity("down:0.3")
+    assert not m.one_copy and all(s is not None for s in m.layers)
+    assert m.path_choices and all(c.tokens > 0 for c in m.path_choices)
+    assert np.isfinite(_run(m)).all()
+
+
+@pytest.mark.parametrize("options, why", [(dict(kernels="on"), "--ffn-kernel"), (dict(dense_kernel="off"), "--ffn-kernel"),
+                                          (dict(sparsity="down:0.3"), "sparse rules")])
+def test_one_copy_says_why_not(silu_file, monkeypatch, options, why):
+    m = _load(silu_file, True, monkeypatch, **options)
+    assert not m.one_copy
+    modes = [Rule.of_layer(m.reader.header, i, m.options.sparsity).mode for i in range(m.cfg.n_layer)]
+    assert why in loading.one_copy(m, modes)
+
+
+MEASURE = textwrap.dedent("""
+    import json, sys
+    from pinfer.runtime import loading
+    from pinfer.runtime.model import Model, RuntimeOptions
+
+    def anon():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+
+    loading.ONE_COPY_MIN_BYTES = int(sys.argv[2])
+    Model(sys.argv[1], RuntimeOptions(threads=1, n_ctx=64)).forward([1, 2, 3])   # warms ORT and the pool
+    before = anon()
+    m = Model(sys.argv[1], RuntimeOptions(threads=1, n_ctx=64))
+    m.forward([1, 2, 3])
+    print(json.dumps({"grew": anon() - before, "kv": m.attention.kv_bytes, "one_copy": m.one_copy}))
+""")
+
+
+@pytest.mark.real_model
+def test_one_copy_holds_each_weight_once(tmp_path):
+    """SmolLM2 (98 MB) loaded a second time in a fresh process, after a first load warmed ONNX Runtime
+    and the thread pool: the process's anonymous memory grows by the weights the kernels copy (the
+    whole file, at most), the KV cache and 24 MB of scratch and the head's graph (ONNX Runtime's
+    session over the 16 MB tied embedding). With the layer graphs built as well it grows by a second
+    copy of the layers' weights, which this bound does not admit."""
+    import contextlib
+    import io
+
+    from models import smollm2_gguf
+
+    from pinfer.converter.convert import ConvertOptions, convert
+    from pinfer.converter.passes import DENSE
+    path = tmp_path / "smollm2.pinf"
+    with contextlib.redirect_stderr(io.StringIO()):
+        convert(ConvertOptions(smollm2_gguf(), path, passes=DENSE, verify=False))
+    out = {}
+    for one_copy, floor in ((True, 0), (False, 1 << 60)):
+        res = subprocess.run([sys.executable, "-c", MEASURE, str(path), str(floor)], capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        out[one_copy] = json.loads(res.stdout.strip().splitlines()[-1])
+        assert out[one_copy]["one_copy"] == one_copy
+    bound = path.stat().st_size + out[True]["kv"] + (24 << 20)
+    assert out[True]["grew"] <= bound, (out, bound)
+    assert out[False]["grew"] > bound, (out, bound)
