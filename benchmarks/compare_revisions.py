@@ -4,8 +4,8 @@ on the working tree, in one run, alternating.
     python benchmarks/compare_revisions.py REV --model SmolLM2.pinf [--text tests/data/wikitext-2-raw-test.txt]
         [--threads 1,2] [--repeats 5]
 
-REV is checked out into a temporary worktree whose C kernels are the working tree's build (copied:
-the kernels' sources must be the same, which the script checks). Each side runs in its own
+REV is checked out into a temporary worktree whose C kernels are the working tree's build where
+their sources are the same (copied), else REV's own, built there. Each side runs in its own
 process with its own `pinfer` on the path: perplexity over the first 4 chunks of 512 tokens and
 64 greedy tokens after a fixed prompt (which must be identical), then decode (128 tokens) and
 prefill (a 128-token prompt) speed, the sides alternating `--repeats` times per thread count;
@@ -105,6 +105,7 @@ def main(argv=None):
     ap.add_argument("--text", type=Path, default=ROOT / "tests" / "data" / "wikitext-2-raw-test.txt")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--speed-only", action="store_true", help="skip perplexity and greedy (large models)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -112,16 +113,20 @@ def main(argv=None):
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), a.rev], check=True,
                        capture_output=True)
         try:
-            if not same_files(kernel_dir(old) / "csrc", kernel_dir(ROOT) / "csrc"):
-                sys.exit(f"compare_revisions: the C kernels differ between {a.rev} and the working tree; "
-                         "the copied build would not be the revision's")
-            for so in kernel_dir(ROOT).glob("_kernels*.so"):
-                shutil.copy(so, kernel_dir(old) / so.name)
+            if same_files(kernel_dir(old) / "csrc", kernel_dir(ROOT) / "csrc"):
+                for so in kernel_dir(ROOT).glob("_kernels*.so"):
+                    shutil.copy(so, kernel_dir(old) / so.name)
+            else:       # the revision's own kernels, built in its worktree with the same compiler and flags
+                print(f"the C kernels differ: building {a.rev}'s", file=sys.stderr)
+                subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=old, check=True,
+                               capture_output=True)
             roots = {"before": pyroot(old, tmp / "root-old"), "after": pyroot(ROOT, tmp / "root-new")}
-            q = {side: run(root, "quality", a, 1) for side, root in roots.items()}
-            same = q["before"] == q["after"]
-            print(f"{a.rev} against the working tree, {a.model.name}: perplexity {q['before']['ppl']:.6f} before, "
-                  f"{q['after']['ppl']:.6f} after; 64 greedy tokens {'identical' if same else 'DIFFERENT'}")
+            same = True
+            if not a.speed_only:
+                q = {side: run(root, "quality", a, 1) for side, root in roots.items()}
+                same = q["before"] == q["after"]
+                print(f"{a.rev} against the working tree, {a.model.name}: perplexity {q['before']['ppl']:.6f} before, "
+                      f"{q['after']['ppl']:.6f} after; 64 greedy tokens {'identical' if same else 'DIFFERENT'}")
             print("\n| threads | measure | before (median, range) | after (median, range) | after / before |")
             print("| ---: | --- | ---: | ---: | ---: |")
             for threads in [int(t) for t in a.threads.split(",")]:

@@ -57,7 +57,8 @@ def profile(path, threads, tokens, prompt, sparsity="", kernels="auto", dense_ke
         return run
     m.bind_activations(1)
     m.steps.run = [timed(kind_of(s), s) for s in m.steps.run]
-    m.head.run = timed("onnx head session", m.head.run)
+    if m.head is not None:      # made on a call's first need
+        m.head.run = timed("onnx head session", m.head.run)
     if m.native_head is not None:
         m.native_head.step.bind = lambda *a, bind=m.native_head.step.bind: timed("head (decode.c)", bind(*a))
         m.native_head.bound_to = (None, None)       # bound again, timed

@@ -124,6 +124,9 @@ def convert(opts):
     worst = max(em.errors.values(), default=0.0)
     _log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t_write:.1f} s; "
          f"{len(em.errors)} tensors re-quantized, worst relative error {worst:.2e}")
+    from pinfer.runtime.loading import trim_heap
+    fe.src.release()
+    trim_heap()         # the writer's temporaries: the verification's load comes on top of what is left
     _verify_and_report(out, cfg, layout, header, opts, t0)
     _log(f"done in {time.perf_counter() - t0:.1f} s")
     return out
@@ -198,6 +201,7 @@ def _emit(w, fe, layout, quant, hot_rows, t0):
             w.add_tensor(name, a.reshape(-1) if flat else a)
     for i in range(cfg.n_layer):
         _layer(src, T, cfg, i, w, em, layout.layers[i], quant, hot_rows and hot_rows[i])
+        src.release()       # the source's pages this layer read: they would add up to the whole file in RSS
         _log(f"  layer {i + 1}/{cfg.n_layer} written ({time.perf_counter() - t0:.1f} s)")
     if all(lay.freq is not None for lay in layout.layers):
         w.add_tensor(S.FFN_FREQ, np.stack([lay.freq for lay in layout.layers]).astype(np.float32))

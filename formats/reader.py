@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 import mmap
+import os
 import stat
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class PinfReader:
                 raise PinfFormatError(f"{self.path} is {self.size} bytes, too short for a .pinf file; "
                                       "it is truncated or not a .pinf file")
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._fd = os.dup(f.fileno())       # the same file as the map, for reads (_own)
         self.header = self._read_header()
         self.tensors = self.header["tensors"]
         self._check_directory()
@@ -121,25 +123,22 @@ class PinfReader:
                      if S.part_name(base, p) in self.tensors}
 
     def _own(self, name):
-        """A copy of tensor `name` (huge_copy), its pages in the map then let go (drop_pages)."""
-        out = huge_copy(self.tensor(name))
-        self.drop_pages(name)
+        """A copy of tensor `name` in huge pages (huge_empty), read from the file straight into it:
+        reading through the map instead faulted in every 4 KB page of it, then let them go."""
+        e = self.tensors[name]
+        out = huge_empty(e["shape"], S.DTYPES[e["dtype"]])
+        view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+        while done < e["nbytes"]:
+            got = os.preadv(self._fd, [view[done:]], e["offset"] + done)
+            if got <= 0:
+                self._fail(f"the file ends inside tensor {name!r} (it changed since it was opened)")
+            done += got
         return out
-
-    def drop_pages(self, *names):
-        """Let go of the map's pages of these tensors (release() says why): loading copies a
-        tensor at a time, so the file's pages never add up in the process."""
-        if not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        for name in names:
-            e = self.tensors[name]
-            pages = (e["nbytes"] + S.ALIGNMENT - 1) // S.ALIGNMENT * S.ALIGNMENT     # offsets are page-aligned
-            self._mm.madvise(mmap.MADV_DONTNEED, e["offset"], min(pages, self.size - e["offset"]))
 
     def release(self):
         """Let go of the map's pages this process has touched (madvise DONTNEED): they stay in the
         page cache, and a later read of a view faults them in again. After the runtime has copied
-        what its kernels stream (block(own=True), in huge pages: see huge_copy) and ONNX Runtime
+        what its kernels stream (block(own=True): read into huge pages, not through the map) and ONNX Runtime
         has packed its own, the copies do not count twice in the process's memory."""
         if hasattr(mmap, "MADV_DONTNEED"):
             self._mm.madvise(mmap.MADV_DONTNEED)
@@ -170,7 +169,15 @@ class PinfReader:
             bad.append("bytes after the header")
         return bad
 
+    def __del__(self):
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
     def close(self):
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
             self._mm.close()
         except BufferError:

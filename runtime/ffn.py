@@ -62,9 +62,7 @@ def layer_kernel(model, i, mode):
     if model.one_copy and mode == "dense" and not k and r.header["weights"].get(down) == "q4r":
         # dense: every token's down projection is row dots over W_down (SparseFFN's rows_from), so the
         # kernel holds W_down and leaves down_t in the file's map, never read
-        fmt, down_t = r.block(down)
-        rows = untranspose_r(fmt, down_t, empty=huge_empty)
-        r.drop_pages(*(S.part_name(down, p) for p in down_t))
+        rows = untranspose_r(*r.block(down, own=True), empty=huge_empty)     # from a read of down_t, let go
     elif model.downs:
         rows = getattr(model.downs[i], "rows", None)    # W_down, shared with MatMulNBits
     parts = (r.block(S.FFN_GATE_UP.format(i), own=True), r.block(down, own=rows is None or not model.one_copy), None)

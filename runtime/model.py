@@ -23,7 +23,7 @@ from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
 from .loading import drop_graphs, ensure_graphs, load_map, one_copy
-from .options import DEFAULT_CTX, RuntimeOptions
+from .options import DEFAULT_CTX, Note, RuntimeOptions
 from .sparse import Counters, LayerFfn, LayerRule, Rule
 from .steps import Steps
 
@@ -53,7 +53,7 @@ class Model:
         # copy every gate/up row into VRAM): every token, prompt ones too, takes the decode path.
         # per-layer loading, a layer per thread where everything stays on the CPU
         self.load_map = load_map(self.threads if dv.ffn == "cpu" and dv.dense == "cpu" else 1, r)
-        self._head_session = None       # ONNX Runtime's head graph, made on first need (head)
+        self.head = None        # ONNX Runtime's head graph, made on first need (one copy: native_head takes all)
         # one copy of the weights where the C kernels take every step (loading.one_copy): no layer graphs
         self.one_copy = one_copy(self, [Rule.of_layer(r.header, i, options.sparsity).mode
                                         for i in range(cfg.n_layer)]) is None
@@ -74,18 +74,15 @@ class Model:
         self.native = native.attention_steps(r, cfg, self.threads, self.load_map) if ok else [None] * cfg.n_layer
         self.native_head = native.head(r, cfg, self.threads) if ok else None
         dv.loaded(self.attention.kv_bytes)
+        self.expected_bytes = accounting.expected_bytes(r.tensors, cfg.tied_embeddings, self.attention.kv_bytes)
+        if self.one_copy:
+            held, kv = accounting.held_bytes(r.tensors, cfg.tied_embeddings), self.attention.kv_bytes
+            self.notes.append(Note(f"memory: the weights once, {held / 1e9:.2f} GB, and a {self.n_ctx}-token KV "
+                                   f"cache, {kv / 1e9:.2f} GB: about {self.expected_bytes / 1e9:.2f} GB in all"))
         self._head_shape = None  # the row count the head's buffers are bound for
         self.n_past = 0
         self.set_sparsity(options.sparsity)
         self.load_seconds = time.perf_counter() - t0
-
-    @property
-    def head(self):
-        """The head's ONNX Runtime session, made on first need: the C kernels' head (native_head)
-        takes every call's logits where it covers the model and one copy of the weights is held."""
-        if self._head_session is None:
-            self._head_session = self.devices.session(S.HEAD_GRAPH, self.threads)
-        return self._head_session
 
     def set_sparsity(self, override=""):
         """Switch every layer to the rule `override` (RuntimeOptions.sparsity), or back to the
@@ -221,11 +218,12 @@ class Model:
         """Logits of rows start.. of the last layer's output. On a device (one token) the head
         reads the device buffers where they are; on the host the rows are copied to the head's
         own buffers, bound for that row count."""
-        if self.native_head is not None and resid.shape[1] - start == 1:
-            return self.native_head(resid, delta)
-        if self.native_head is not None and self.one_copy:
-            return self.native_head.rows(resid, delta, start)
+        rows = resid.shape[1] - start
+        if self.native_head is not None and (rows == 1 or self.one_copy):
+            return self.native_head(resid, delta) if rows == 1 else self.native_head.rows(resid, delta, start)
         on_device = self.devices.on_device
+        if self.head is None:
+            self.head = self.devices.session(S.HEAD_GRAPH, self.threads)
         shape = ("device", id(resid)) if on_device else resid.shape[1] - start
         if self._head_shape != shape:
             if on_device:

@@ -13,7 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from pinfer.runtime import autotune, loading
+from pinfer.runtime import accounting, autotune, loading
 from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.sparse import Rule
 
@@ -50,6 +50,10 @@ def test_one_copy_builds_no_layer_graph_and_gives_the_graphs_results(silu_file, 
     choice = [c for c in m.notes if isinstance(c, autotune.PrefillChoice)]
     assert len(choice) == 1 and choice[0].untimed and choice[0].quiet and "held once" in choice[0].describe()
     assert m.batches(24) and autotune.chunk_size(m, 100) == 50     # two equal batch calls
+    held = sum(e["nbytes"] for name, e in m.reader.tensors.items() if not name.startswith("token_embd."))
+    assert not m.cfg.tied_embeddings       # the embedding's rows are read from the file's map, not held
+    assert m.expected_bytes == held + m.attention.kv_bytes + accounting.PROCESS_BYTES
+    assert any(f"about {m.expected_bytes / 1e9:.2f} GB in all" in n.describe() for n in m.notes)
     got = _run(m)
     assert m.layers == [None] * m.cfg.n_layer       # no call built a graph
     err = np.abs(got - want).max(axis=-1) / np.abs(want).max()
@@ -68,7 +72,8 @@ def test_a_sparse_rule_brings_the_graphs_back(silu_file, monkeypatch):
     assert np.isfinite(_run(m)).all()
 
 
-@pytest.mark.parametrize("options, why", [(dict(kernels="on"), "--ffn-kernel"), (dict(dense_kernel="off"), "--ffn-kernel"),
+@pytest.mark.parametrize("options, why", [(dict(kernels="on"), "--ffn-kernel"),
+                                          (dict(dense_kernel="off"), "--ffn-kernel"),
                                           (dict(sparsity="down:0.3"), "sparse rules")])
 def test_one_copy_says_why_not(silu_file, monkeypatch, options, why):
     m = _load(silu_file, True, monkeypatch, **options)

@@ -243,6 +243,7 @@ def test_dry_run_writes_nothing(silu_gguf, tmp_path, capfd):
     assert convert(ConvertOptions(src, tmp_path / "d.pinf", dry_run=True)) is None
     err = capfd.readouterr().err
     assert "peak memory" in err and "blk.0.ffn_down.weight" in err
+    assert "running it on the CPU" in err and "-token KV cache" in err
     assert not list(tmp_path.iterdir())
 
 

@@ -373,6 +373,97 @@ static inline void block_avx2(const int R, const int MIN, const int QH, const ro
     }
 }
 
+/* block_avx2 for one row (R = 1: two chains in turn) against T <= 2 tokens' x: the row's nibbles
+   unpacked once for both. Each token's chains take the same operations in the same order as
+   block_avx2 with that token alone, so its result has the same bits. acc: two per token. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void block_avx2_tokens(const int T, const int MIN, const int QH, const rows4_t *w, const qx_t *x,
+                                     int64_t ng, int64_t g, const int64_t kg, __m256 *acc, const uint8_t *next) {
+    const __m256i l4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    if (next)
+        for (int64_t c = 0; c < kg; c += 4) _mm_prefetch((const char *)(next + (g + c) * 16), _MM_HINT_T0);
+    const __m256 sw = pinfer_load8_ph(w->scale[0] + g, kg);
+    __m256 ws[2];
+#pragma GCC unroll 2
+    for (int t = 0; t < T; t++) {
+        __m256 xc = pinfer_load8_ps(x[t].corr + g, kg);
+        if (QH) xc = _mm256_add_ps(xc, xc);
+        ws[t] = _mm256_mul_ps(sw, pinfer_load8_ps(x[t].scale + g, kg));
+        acc[2 * t] = _mm256_fmadd_ps(sw, xc, acc[2 * t]);
+        if (MIN)
+            acc[2 * t] = _mm256_fmadd_ps(_mm256_fmadd_ps(sw, _mm256_set1_ps(QH ? 16.0f : 8.0f), pinfer_load8_ph(w->min[0] + g, kg)),
+                                         pinfer_load8_ps(x[t].sum + g, kg), acc[2 * t]);
+    }
+    int64_t i = 0;
+    for (; i + 2 <= kg; i += 2) {
+        const int64_t gc = g + i, c0 = kg == 8 ? g + i / 4 * 4 : gc / 4 * 4, k = kg == 8 ? 4 : ng - c0 < 4 ? ng - c0 : 4,
+                      at = gc - c0;
+        const __m256i spread = _mm256_setr_epi32((int)i, (int)i, (int)i, (int)i, (int)i + 1, (int)i + 1, (int)i + 1, (int)i + 1);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w->q[0] + gc * 16));
+        __m256i lo = _mm256_and_si256(v, l4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), l4);
+        if (QH) {
+            const uint32_t h0 = fifth_bits(w->qh[0], gc), h1 = fifth_bits(w->qh[0], gc + 1);
+            lo = _mm256_or_si256(lo, sixteens_avx2((h0 & 0xffff) | h1 << 16));
+            hi = _mm256_or_si256(hi, sixteens_avx2(h0 >> 16 | (h1 & 0xffff0000u)));
+        }
+        const int a = (int)(i / 2 % 2);
+#pragma GCC unroll 2
+        for (int t = 0; t < T; t++) {
+            const __m256i xe = _mm256_loadu_si256((const __m256i *)(x[t].q + c0 * G + 16 * at));
+            const __m256i xo = _mm256_loadu_si256((const __m256i *)(x[t].q + c0 * G + 16 * k + 16 * at));
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            acc[2 * t + a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                             _mm256_permutevar8x32_ps(ws[t], spread), acc[2 * t + a]);
+        }
+    }
+    if (i < kg) {   /* one group left, as in block_avx2 */
+        const int64_t gc = g + i, c0 = gc / 4 * 4, k = ng - c0 < 4 ? ng - c0 : 4, at = gc - c0;
+        const __m128i low4 = _mm_set1_epi8(15);
+        const __m256i spread = _mm256_set1_epi32((int)i);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(w->q[0] + gc * 16));
+        __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        if (QH) {
+            const __m256i h = sixteens_avx2(fifth_bits(w->qh[0], gc));
+            lo = _mm_or_si128(lo, _mm256_castsi256_si128(h));
+            hi = _mm_or_si128(hi, _mm256_extracti128_si256(h, 1));
+        }
+#pragma GCC unroll 2
+        for (int t = 0; t < T; t++) {
+            const __m128i xe = _mm_loadu_si128((const __m128i *)(x[t].q + c0 * G + 16 * at));
+            const __m128i xo = _mm_loadu_si128((const __m128i *)(x[t].q + c0 * G + 16 * k + 16 * at));
+            const __m128i p = _mm_add_epi16(_mm_maddubs_epi16(lo, xe), _mm_maddubs_epi16(hi, xo));
+            const __m128 sums = _mm_cvtepi32_ps(_mm_madd_epi16(p, _mm_set1_epi16(1)));
+            const __m256 s8 = _mm256_insertf128_ps(_mm256_setzero_ps(), sums, 0);
+            acc[2 * t] = _mm256_fmadd_ps(s8, _mm256_permutevar8x32_ps(ws[t], spread), acc[2 * t]);
+        }
+    }
+}
+
+/* One row against T <= 2 tokens on AVX2 (rows_q4_avx2 with R = 1, per token): out[t * ostride]. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void tokens_q4_avx2(const int T, const int MIN, const int QH, const rows4_t *w, const qx_t *x, int64_t d,
+                                  float *out, int64_t ostride, const uint8_t *next) {
+    const int64_t ng = d / G;
+    const __m256 z = _mm256_setzero_ps();
+    __m256 acc[4] = {z, z, z, z};
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) block_avx2_tokens(T, MIN, QH, w, x, ng, g, 8, acc, next);
+    if (g < ng) block_avx2_tokens(T, MIN, QH, w, x, ng, g, ng - g, acc, next);
+#pragma GCC unroll 2
+    for (int t = 0; t < T; t++) out[t * ostride] = pinfer_hsum8(_mm256_add_ps(acc[2 * t], acc[2 * t + 1]));
+}
+
+#define PINFER_TOKENS2(T, MIN, QH)                                                                          \
+    __attribute__((target("avx2,fma,f16c"))) static void tokens_avx2_##T##MIN##QH(                         \
+        const rows4_t *w, const qx_t *x, int64_t d, float *out, int64_t os, const uint8_t *next) {          \
+        tokens_q4_avx2(T, MIN, QH, w, x, d, out, os, next);                                                 \
+    }
+PINFER_TOKENS2(1, 0, 0) PINFER_TOKENS2(1, 0, 1) PINFER_TOKENS2(1, 1, 0) PINFER_TOKENS2(1, 1, 1)
+PINFER_TOKENS2(2, 0, 0) PINFER_TOKENS2(2, 0, 1) PINFER_TOKENS2(2, 1, 0) PINFER_TOKENS2(2, 1, 1)
+static const tokens_avx512_fn tokens_avx2[2][4] = {
+    {tokens_avx2_100, tokens_avx2_101, tokens_avx2_110, tokens_avx2_111},
+    {tokens_avx2_200, tokens_avx2_201, tokens_avx2_210, tokens_avx2_211}};
+
 /* rows_q4_avx512 on AVX2, eight groups per step, the rows at `next` prefetched meanwhile. A row read
    alone (R = 1) adds its steps into two accumulators in turn: with one, each step waited on the
    last one's FMA (4 cycles) while its other instructions took about 3. HeadStep over q4 rows, 1
@@ -1571,9 +1662,9 @@ void pinfer_dot_rows_ahead(int R, const rows4_t *w, const qx_t *x, int64_t d, fl
     dot_rows(R, w, x, d, out, next, nstride);
 }
 
-/* The rows of a tile that tokens_avx512 takes together: a tile's rows meet four tokens' x while it
-   sits in L1 (16 KB of x at 4096 columns) and the tile in L2. Walking every token for each row
-   instead read every x from L2 once per row: 7B-shaped attention, 64 tokens, ran at 60 GMAC/s. */
+/* The bytes of a tile of rows that meets four tokens at a time: their x stays in L1 (16 KB at 4096
+   columns) and the tile in L2. Walking every token for each row instead read every x from L2 once
+   per row: 7B-shaped attention, 64 tokens, ran at 60 GMAC/s. */
 #define TILE_BYTES (32 << 10)
 
 void pinfer_q4_rows(const linear_t *w, const qx_t *qx, int64_t nt, float *out, int64_t ostride, int64_t b0,
@@ -1582,9 +1673,10 @@ void pinfer_q4_rows(const linear_t *w, const qx_t *qx, int64_t nt, float *out, i
     const int four = rows_by_four(k);         /* short rows share the loads of x */
     const int64_t ahead = rows_ahead(stride);
     rows4_t rows;
+    if (!four && nt > 1) {      /* rows read alone: tiles of rows against four tokens at a time */
 #ifdef PINFER_X86
-    if (isa == ISA_AVX512 && !four && nt > 1) {     /* each row unpacked once for up to four tokens */
-        const int kind = (w->min != NULL) * 2 + (w->qh != NULL);
+        const int kind = (w->min != NULL) * 2 + (w->qh != NULL), avx512 = isa == ISA_AVX512, avx2 = isa == ISA_AVX2;
+#endif
         const int64_t tile = TILE_BYTES / stride > 1 ? TILE_BYTES / stride : 1;
         for (int64_t i0 = 4 * b0; i0 < r1; i0 += tile) {
             const int64_t i1 = i0 + tile < r1 ? i0 + tile : r1;
@@ -1596,13 +1688,25 @@ void pinfer_q4_rows(const linear_t *w, const qx_t *qx, int64_t nt, float *out, i
                     rows.scale[0] = w->scale + i * ng;
                     rows.min[0] = w->min ? w->min + i * ng : NULL;
                     const uint8_t *next = t == 0 && ahead && i + 1 + ahead <= w->rows ? rows.q[0] + ahead * stride : NULL;
-                    tokens_avx512[T - 1][kind](&rows, &qx[t], k, out + t * ostride + i, ostride, next);
+#ifdef PINFER_X86
+                    if (avx512) {       /* each row unpacked once for the T tokens */
+                        tokens_avx512[T - 1][kind](&rows, &qx[t], k, out + t * ostride + i, ostride, next);
+                        continue;
+                    }
+                    if (avx2) {         /* for two tokens at a time */
+                        for (int j = 0; j < T; j += 2)
+                            tokens_avx2[T - j >= 2][kind](&rows, &qx[t + j], k, out + (t + j) * ostride + i, ostride,
+                                                          j == 0 ? next : NULL);
+                        continue;
+                    }
+#endif
+                    for (int j = 0; j < T; j++)
+                        dot_rows(1, &rows, &qx[t + j], k, out + (t + j) * ostride + i, j == 0 ? next : NULL, stride);
                 }
             }
         }
         return;
     }
-#endif
     for (int64_t i = 4 * b0, R = 1; i < r1; i += R) {
         R = r1 - i >= 4 && four ? 4 : 1;
         for (int j = 0; j < R; j++) {
