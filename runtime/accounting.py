@@ -1,7 +1,9 @@
 """What a decode step reads: weight bytes per token, from the file's tensor directory and the
-shares of FFN rows the rules read (runtime/sparse.py Counters)."""
+shares of FFN rows the rules read (runtime/sparse.py Counters); and what a load holds in memory."""
 
 from pinfer.formats import schema as S
+
+from .options import Note
 
 _GATE_UP = (S.FFN_GATE_UP, S.FFN_GATE_UP_COLD)
 _DOWN = (S.FFN_DOWN_T, S.FFN_DOWN_T_COLD)
@@ -42,3 +44,10 @@ def held_bytes(tensors, tied_embeddings):
 def expected_bytes(tensors, tied_embeddings, kv_bytes):
     """The RAM a one-copy load is expected to take once its KV cache is in use."""
     return held_bytes(tensors, tied_embeddings) + kv_bytes + PROCESS_BYTES
+
+
+def memory_note(tensors, cfg, n_ctx, kv_bytes):
+    """The load's note of what a one-copy load holds and expects to take."""
+    held = held_bytes(tensors, cfg.tied_embeddings)
+    return Note(f"memory: the weights once, {held / 1e9:.2f} GB, and a {n_ctx}-token KV cache, {kv_bytes / 1e9:.2f} "
+                f"GB: about {expected_bytes(tensors, cfg.tied_embeddings, kv_bytes) / 1e9:.2f} GB in all")

@@ -23,7 +23,7 @@ from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
 from .loading import drop_graphs, ensure_graphs, load_map, one_copy
-from .options import DEFAULT_CTX, Note, RuntimeOptions
+from .options import DEFAULT_CTX, RuntimeOptions
 from .sparse import Counters, LayerFfn, LayerRule, Rule
 from .steps import Steps
 
@@ -51,14 +51,13 @@ class Model:
         self.plan, self.ffns, self.steps = None, [], None
         # With the dense part on a device only the attention graphs go there (the full graphs would
         # copy every gate/up row into VRAM): every token, prompt ones too, takes the decode path.
-        # per-layer loading, a layer per thread where everything stays on the CPU
         self.load_map = load_map(self.threads if dv.ffn == "cpu" and dv.dense == "cpu" else 1, r)
         self.head = None        # ONNX Runtime's head graph, made on first need (one copy: native_head takes all)
         # one copy of the weights where the C kernels take every step (loading.one_copy): no layer graphs
         self.one_copy = one_copy(self, [Rule.of_layer(r.header, i, options.sparsity).mode
                                         for i in range(cfg.n_layer)]) is None
         if self.one_copy:
-            self.layers = self.downs = [None] * cfg.n_layer
+            self.layers, self.downs = [None] * cfg.n_layer, [None] * cfg.n_layer
         else:
             self.layers = self.load_map(lambda i: dv.session(S.LAYER_GRAPH.format(i), self.threads,
                                                              attention_only=dv.on_device), cfg.n_layer)
@@ -76,9 +75,7 @@ class Model:
         dv.loaded(self.attention.kv_bytes)
         self.expected_bytes = accounting.expected_bytes(r.tensors, cfg.tied_embeddings, self.attention.kv_bytes)
         if self.one_copy:
-            held, kv = accounting.held_bytes(r.tensors, cfg.tied_embeddings), self.attention.kv_bytes
-            self.notes.append(Note(f"memory: the weights once, {held / 1e9:.2f} GB, and a {self.n_ctx}-token KV "
-                                   f"cache, {kv / 1e9:.2f} GB: about {self.expected_bytes / 1e9:.2f} GB in all"))
+            self.notes.append(accounting.memory_note(r.tensors, cfg, self.n_ctx, self.attention.kv_bytes))
         self._head_shape = None  # the row count the head's buffers are bound for
         self.n_past = 0
         self.set_sparsity(options.sparsity)
@@ -120,6 +117,9 @@ class Model:
         split = self.devices.ffn != "cpu"
         self.plan = self.devices.plan(modes, hotness) if split else None
         self.ffns = make_ffns()
+        if self.one_copy and not all(self.ffns):    # a layer the kernel refused after all: the graphs run it
+            self.one_copy = False
+            ensure_graphs(self)
         if split:
             self.devices.report(self.plan)
         if any(self.ffns) and self.attn is None and not self.one_copy:   # where the C kernels do not take the attention

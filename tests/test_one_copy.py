@@ -72,6 +72,22 @@ def test_a_sparse_rule_brings_the_graphs_back(silu_file, monkeypatch):
     assert np.isfinite(_run(m)).all()
 
 
+def test_a_layer_the_kernel_refuses_after_all_brings_the_graphs_back(silu_file, monkeypatch):
+    """loading.one_copy reads the file; the kernel may still refuse a layer when it is built (a
+    format it lacks: fused_ffn then gives None). The graphs are made, and that layer runs on them."""
+    from pinfer.runtime import ffn
+    real = ffn.layer_kernel
+
+    def refuse_layer_1(model, i, mode):
+        if i == 1:
+            raise ValueError("a format the kernel lacks")
+        return real(model, i, mode)
+    monkeypatch.setattr(ffn, "layer_kernel", refuse_layer_1)
+    m = _load(silu_file, True, monkeypatch)
+    assert not m.one_copy and m.ffns[1] is None and all(s is not None for s in m.layers)
+    assert np.isfinite(_run(m)).all()
+
+
 @pytest.mark.parametrize("options, why", [(dict(kernels="on"), "--ffn-kernel"),
                                           (dict(dense_kernel="off"), "--ffn-kernel"),
                                           (dict(sparsity="down:0.3"), "sparse rules")])
