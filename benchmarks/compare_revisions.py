@@ -7,8 +7,8 @@ on the working tree, in one run, alternating.
 REV is checked out into a temporary worktree whose C kernels are the working tree's build where
 their sources are the same (copied), else REV's own, built there. Each side runs in its own
 process with its own `pinfer` on the path: perplexity over the first 4 chunks of 512 tokens and
-64 greedy tokens after a fixed prompt (which must be identical), then decode (128 tokens) and
-prefill (a 128-token prompt) speed, the sides alternating `--repeats` times per thread count;
+64 greedy tokens after a fixed prompt (which must be identical), then decode (--tokens, 128) and
+prefill (a --prompt-token prompt, 128) speed, the sides alternating `--repeats` times per thread count;
 medians and the ratio are printed.
 """
 
@@ -44,6 +44,7 @@ import numpy as np
 from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.tokenizer import Tokenizer
 what, path, threads, text = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+n_decode, n_prompt = int(sys.argv[5]), int(sys.argv[6])
 m = Model(path, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
 tok = Tokenizer.from_spec(m.tokenizer_spec)
 ids = tok.encode(open(text, encoding="utf-8").read()[:200000])
@@ -68,14 +69,14 @@ else:
         m.forward([1])
     m.reset(); m.forward(ids[:8])
     t0 = time.perf_counter()
-    for k in range(128):
+    for k in range(n_decode):
         m.forward([ids[8 + k]])
-    decode = 128 / (time.perf_counter() - t0)
-    m.reset(); m.forward(ids[:128])
+    decode = n_decode / (time.perf_counter() - t0)
+    m.reset(); m.forward(ids[:n_prompt])
     m.reset()
     t0 = time.perf_counter()
-    m.forward(ids[:128])
-    print(json.dumps({"decode": decode, "prefill": 128 / (time.perf_counter() - t0)}))
+    m.forward(ids[:n_prompt])
+    print(json.dumps({"decode": decode, "prefill": n_prompt / (time.perf_counter() - t0)}))
 '''
 
 
@@ -93,7 +94,8 @@ def pyroot(tree, dest):
 
 def run(root, what, a, threads):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-c", CHILD, what, str(a.model), str(threads), str(a.text)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, what, str(a.model), str(threads), str(a.text), str(a.tokens),
+                          str(a.prompt)], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -106,6 +108,8 @@ def main(argv=None):
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--speed-only", action="store_true", help="skip perplexity and greedy (large models)")
+    ap.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens timed")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

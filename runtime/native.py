@@ -8,6 +8,7 @@ there."""
 import numpy as np
 
 from pinfer.formats import schema as S
+from pinfer.kernels import MAX_BATCH
 from pinfer.kernels.decode import LINEAR_FORMATS, AttentionStep, HeadStep
 
 
@@ -67,11 +68,12 @@ class Head:
         return self.logits[None].copy()
 
     def rows(self, resid, delta, start):
-        """Logits (n - start, vocab) of rows start.. of the buffers, one call each."""
+        """Logits (n - start, vocab) of rows start.. of the buffers, MAX_BATCH rows a call."""
         n = resid.shape[1]
         out = np.empty((n - start, len(self.logits)), np.float32)
-        for j, t in enumerate(range(start, n)):
-            self.step.bind(resid.np[0, t], delta.np[0, t], out[j])()
+        for t in range(start, n, MAX_BATCH):
+            u = min(t + MAX_BATCH, n)
+            self.step.bind_rows(resid.np[0, t:u], delta.np[0, t:u], out[t - start:u - start])()
         return out
 
 

@@ -218,6 +218,33 @@ def test_head_row_dots_against_numpy(fmt, isa):
     assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q5", "q8", "f16", "f32", "q4-4096"])
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_head_rows_give_each_row_its_own_calls_bits(fmt, isa):
+    """The head over nt rows in one call (pinfer_head_rows: the weights read once) against one call
+    per row: the same bits, since each row's dots are the same function over the same row and x
+    whatever nt is. Softcap on, 2 threads, 1 to MAX_BATCH rows; 4096 columns take the token tiles."""
+    from pinfer.kernels import MAX_BATCH
+    sparse_isa(isa)
+    base = fmt.split("-")[0]
+    rng = np.random.default_rng(11)
+    vocab, d = 136, 4096 if fmt == "q4-4096" else 96
+    w = rng.standard_normal((vocab, d)).astype(np.float32)
+    parts = {"w": w} if base == "f32" else blocks.quantize(base, w)
+    step = HeadStep((base, parts), (1 + 0.1 * rng.standard_normal(d)).astype(np.float32), vocab, eps=1e-5,
+                    softcap=30.0, threads=2)
+    for nt in (1, 3, 5, MAX_BATCH):
+        resid, delta = (rng.standard_normal((nt, d)).astype(np.float32) for _ in range(2))
+        got, want = np.empty((nt, vocab), np.float32), np.empty((nt, vocab), np.float32)
+        step.bind_rows(resid, delta, got)()
+        for t in range(nt):
+            step.bind(resid[t], delta[t], want[t])()
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        big = np.zeros((MAX_BATCH + 1, d), np.float32)
+        step.bind_rows(big, big, np.zeros((MAX_BATCH + 1, vocab), np.float32))
+
+
 @pytest.mark.parametrize("k", [576, 1088])
 @pytest.mark.parametrize("isa", AVAILABLE)
 def test_row_dots_bits_do_not_depend_on_the_thread_split(k, isa):

@@ -27,11 +27,12 @@ def _load():
     lib.pinfer_untranspose_q.restype = None
     lib.pinfer_sparse_isa.argtypes = [c_int]
     lib.pinfer_sparse_isa.restype = c_int
-    for fn in ("pinfer_attn_call", "pinfer_head_call", "pinfer_head_work"):
+    for fn in ("pinfer_attn_call", "pinfer_head_call"):
         getattr(lib, fn).argtypes = [p]
+        getattr(lib, fn).restype = c_int
+    for fn in ("pinfer_attn_work", "pinfer_attn_batch", "pinfer_head_work", "pinfer_head_rows"):
+        getattr(lib, fn).argtypes = [p, i64]
         getattr(lib, fn).restype = i64 if fn.endswith("_work") else c_int
-    lib.pinfer_attn_work.argtypes = lib.pinfer_attn_batch.argtypes = [p, i64]
-    lib.pinfer_attn_work.restype, lib.pinfer_attn_batch.restype = i64, c_int
     check_abi(lib)
     return lib
 
@@ -72,7 +73,7 @@ class _Library:
     def __getattr__(self, name):
         lib = _load()
         for fn in ("pinfer_down", "pinfer_untranspose_q", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa", "pinfer_attn_call",
-                   "pinfer_attn_batch", "pinfer_head_call", "pinfer_attn_work", "pinfer_head_work"):
+                   "pinfer_attn_batch", "pinfer_head_call", "pinfer_head_rows", "pinfer_attn_work", "pinfer_head_work"):
             setattr(self, fn, getattr(lib, fn))
         return getattr(lib, name)
 

@@ -148,14 +148,24 @@ class HeadStep:
         self.vocab, self.eps, self.softcap, self.threads = vocab, eps, softcap, threads
 
     def bind(self, resid, delta, logits):
+        """One row: resid, delta (d,), logits (vocab,) float32; returns a zero-argument callable."""
+        return self.bind_rows(resid, delta, logits)
+
+    def bind_rows(self, resid, delta, logits):
+        """nt rows in one call, the head's weights read once for all (1 <= nt <= MAX_BATCH): resid,
+        delta (nt, d) and logits (nt, vocab), or one row of each as bind() takes them."""
+        nt = len(resid) if np.ndim(resid) == 2 else 1
+        if not 1 <= nt <= MAX_BATCH:
+            raise ValueError(f"the head takes 1 to {MAX_BATCH} rows a call, not {nt}")
         call = _HeadCall(self.w, self.norm.ctypes.data, self.eps, self.softcap, self.d,
-                         _buffer(resid, self.d, "resid"), _buffer(delta, self.d, "delta"),
-                         _buffer(logits, self.vocab, "logits"), None, self.threads)
-        work = np.empty(_lib.pinfer_head_work(ctypes.byref(call)), np.float32)
+                         _buffer(resid, nt * self.d, "resid"), _buffer(delta, nt * self.d, "delta"),
+                         _buffer(logits, nt * self.vocab, "logits"), None, self.threads)
+        ref = ctypes.byref(call)
+        work = np.empty(_lib.pinfer_head_work(ref, nt), np.float32)
         call.work = work.ctypes.data
-        ref, f = ctypes.byref(call), _lib.pinfer_head_call
+        f = _lib.pinfer_head_rows
 
         def run():
-            f(ref)
+            f(ref, nt)
         run.keep = (call, work, self, resid, delta, logits)
         return run

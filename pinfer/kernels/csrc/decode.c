@@ -505,7 +505,8 @@ int64_t pinfer_attn_work(const attn_call_t *a, int64_t nt) {
     return nt * (kmax(a) + a->qkv.rows + a->out.k + qx_floats(kmax(a))) + a->n_head * a->n_ctx;
 }
 
-int64_t pinfer_head_work(const head_call_t *a) { return 2 * a->d + qx_floats(a->d); }
+/* Floats of scratch the head's call over nt rows takes: per row the sum, its norm and quantized x. */
+int64_t pinfer_head_work(const head_call_t *a, int64_t nt) { return nt * (2 * a->d + qx_floats(a->d)); }
 
 /* RoPE on one token's q and k (qkv: its row), and its k and v into the cache at pos. */
 static void rope_store(const attn_call_t *a, float *qkv, int64_t pos) {
@@ -582,19 +583,27 @@ int pinfer_attn_batch(const attn_call_t *a, int64_t nt) {
     return 0;
 }
 
-int pinfer_head_call(const head_call_t *a) {
+/* Logits of nt rows (resid, delta: nt rows of d; logits: nt rows of the vocabulary), the head's
+   weights read once for all of them; each row's logits are the ones a call of its own gives.
+   Returns 0, or -1 where nt is not 1..MAX_BATCH. */
+int pinfer_head_rows(const head_call_t *a, int64_t nt) {
     const int64_t d = a->d;
-    float *r = a->work, *x = r + d;
+    if (nt < 1 || nt > MAX_BATCH) return -1;
+    float *r = a->work, *x = r + nt * d;
     const int isa = pinfer_sparse_isa(-1);
     const int threads = pinfer_pool_enter(a->threads);
-    for (int64_t i = 0; i < d; i++) r[i] = a->resid[i] + a->delta[i];
-    rms_norm(r, a->norm, a->eps, d, x);
-    linear(&a->w, x, a->logits, 1, x + d, threads, isa);
+    for (int64_t t = 0; t < nt; t++) {
+        for (int64_t i = 0; i < d; i++) r[t * d + i] = a->resid[t * d + i] + a->delta[t * d + i];
+        rms_norm(r + t * d, a->norm, a->eps, d, x + t * d);
+    }
+    linear(&a->w, x, a->logits, nt, x + nt * d, threads, isa);
     pinfer_pool_leave(a->threads);
     if (a->softcap > 0.0f)
-        for (int64_t i = 0; i < a->w.rows; i++) a->logits[i] = a->softcap * tanhf(a->logits[i] / a->softcap);
+        for (int64_t i = 0; i < nt * a->w.rows; i++) a->logits[i] = a->softcap * tanhf(a->logits[i] / a->softcap);
     return 0;
 }
+
+int pinfer_head_call(const head_call_t *a) { return pinfer_head_rows(a, 1); }
 
 int64_t pinfer_decode_abi(const char *name) {
     if (!strcmp(name, "sizeof.attn_call_t")) return sizeof(attn_call_t);
