@@ -9,7 +9,7 @@ first load, so every load finds them in the page cache (a warm load). Per load, 
 /proc/self/status: load seconds (the engine's constructor), RSS after load (VmRSS), its anonymous
 part (RssAnon: memory the process owns, not the file's pages), the peak (VmHWM), then decode tok/s
 over --tokens greedy tokens after a short prompt fed token by token (llama.cpp's batched evaluation
-segfaults on AMX Xeons). pinfer's own figure of what the load should take (Model.expected_bytes)
+segfaults on AMX Xeons). pinfer's own figure of what a one-copy load should take (accounting.expected_bytes)
 is printed beside its measured RSS. An engine that crashes is a row saying so.
 """
 
@@ -25,8 +25,11 @@ from pathlib import Path
 
 import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
 import synthetic_decode
+from pinfer.formats import PinfReader
+from pinfer.formats.config import ModelConfig
+from pinfer.runtime.accounting import kv_cache_bytes
 
-PROMPT_IDS = [1, 450, 7483, 310, 3444]    # fed one at a time before the timed decode (a random model: any ids)
+PROMPT_IDS = [1, 45, 74, 31, 34]    # fed one at a time before the timed decode (random models: ids under every vocab)
 STATUS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
 
@@ -44,6 +47,7 @@ def pinfer_side(a):
     """One load of a .pinf file and a short decode, in this process; prints one JSON line."""
     import numpy as np
 
+    from pinfer.runtime import accounting
     from pinfer.runtime.model import Model, RuntimeOptions
     t0 = time.perf_counter()
     m = Model(a.model, RuntimeOptions(threads=a.threads, n_ctx=a.ctx))
@@ -56,8 +60,10 @@ def pinfer_side(a):
     for _ in range(a.tokens):
         t = int(np.argmax(m.forward([t])[-1]))
     dt = time.perf_counter() - t0
+    expected = accounting.expected_bytes(m.reader.tensors, m.cfg.tied_embeddings, m.attention.kv_bytes) \
+        if m.one_copy else None         # the accounting covers a one-copy load only
     print(json.dumps({"load_s": load, **mem, "peak_after_decode": status()["VmHWM"], "tok_s": a.tokens / dt,
-                      "kv_bytes": m.attention.kv_bytes, "expected_bytes": getattr(m, "expected_bytes", None)}))
+                      "kv_bytes": m.attention.kv_bytes, "expected_bytes": expected}))
 
 
 def llama_side(a):
@@ -109,12 +115,6 @@ def summary(runs, key, scale=1.0):
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
-def kv_bytes_at(shape, n_layer, n_ctx, itemsize=2):
-    """The KV cache of n_ctx tokens in f16 (llama.cpp's default type, and pinfer's)."""
-    d, _, n_head, _ = synthetic_decode.SHAPES[shape]
-    return 2 * n_layer * n_ctx * d * itemsize
-
-
 def commit():
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -155,6 +155,7 @@ def main(argv=None):
     for shape in a.shape.split(","):
         n_layer = a.layers or {"7b": 32, "13b": 40, "tiny": 2}[shape]
         gguf, pinf = synthetic_decode.synthetic_model(shape, n_layer, a.cache)
+        cfg = ModelConfig.from_dict(PinfReader(pinf).header["config"])
         for path in (gguf, pinf):
             warm(path)
         runs = {"pinfer": [], "llama.cpp": []}
@@ -165,7 +166,7 @@ def main(argv=None):
             print(f"  {shape} load {i + 1}: " + "; ".join(f"{k} {json.dumps(v[-1])}" for k, v in runs.items() if v),
                   flush=True)
         row = {"shape": shape, "layers": n_layer, "gguf_bytes": gguf.stat().st_size, "pinf_bytes": pinf.stat().st_size,
-               "kv_f16_bytes_at_4096": kv_bytes_at(shape, n_layer, 4096), "kv_f16_bytes_at_ctx": kv_bytes_at(shape, n_layer, a.ctx),
+               "kv_f16_bytes_at_4096": kv_cache_bytes(cfg, 4096), "kv_f16_bytes_at_ctx": kv_cache_bytes(cfg, a.ctx),
                "runs": runs}
         for engine, rs in runs.items():
             row[engine] = {k: summary(rs, k) for k in ("load_s", "VmRSS", "RssAnon", "VmHWM", "peak_after_decode",

@@ -169,15 +169,15 @@ class PinfReader:
             bad.append("bytes after the header")
         return bad
 
-    def __del__(self):
+    def _close_fd(self):
         if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1
 
+    __del__ = _close_fd
+
     def close(self):
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._close_fd()
         try:
             self._mm.close()
         except BufferError:

@@ -35,6 +35,11 @@ def weight_bytes_per_token(reader, cfg, shares=(1.0, 1.0), predictor_layers=()):
 PROCESS_BYTES = 128 << 20
 
 
+def kv_cache_bytes(cfg, n_ctx, itemsize=2):
+    """A KV cache of n_ctx tokens (K and V of every layer; f16: 2 bytes, the runtime's default)."""
+    return 2 * cfg.n_layer * n_ctx * cfg.n_head_kv * cfg.head_dim * itemsize
+
+
 def held_bytes(tensors, tied_embeddings):
     """Bytes of weights a one-copy load holds (loading.one_copy): every tensor once, but the token
     embedding where it is not also the head (its rows are read from the file's map as tokens come)."""

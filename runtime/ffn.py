@@ -59,13 +59,14 @@ def layer_kernel(model, i, mode):
     r, cfg, dv = model.reader, model.cfg, model.devices
     k = model.plan.hot[i] if model.plan else 0
     down, rows = S.FFN_DOWN_T.format(i), None
-    if model.one_copy and mode == "dense" and not k and r.header["weights"].get(down) == "q4r":
+    if model.one_copy and mode == "dense" and r.header["weights"].get(down) == "q4r":
         # dense: every token's down projection is row dots over W_down (SparseFFN's rows_from), so the
         # kernel holds W_down and leaves down_t in the file's map, never read
         rows = untranspose_r(*r.block(down, own=True), empty=huge_empty)     # from a read of down_t, let go
     elif model.downs:
         rows = getattr(model.downs[i], "rows", None)    # W_down, shared with MatMulNBits
-    parts = (r.block(S.FFN_GATE_UP.format(i), own=True), r.block(down, own=rows is None or not model.one_copy), None)
+    unread = model.one_copy and rows is not None     # down_t stays in the map: the row dots read W_down
+    parts = (r.block(S.FFN_GATE_UP.format(i), own=True), r.block(down, own=not unread), None)
     if S.MODES[mode].uses_predictor:
         parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i), own=True),
                               r.block(S.FFN_PRED_W2.format(i), own=True),

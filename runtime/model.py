@@ -73,12 +73,11 @@ class Model:
         self.native = native.attention_steps(r, cfg, self.threads, self.load_map) if ok else [None] * cfg.n_layer
         self.native_head = native.head(r, cfg, self.threads) if ok else None
         dv.loaded(self.attention.kv_bytes)
-        self.expected_bytes = accounting.expected_bytes(r.tensors, cfg.tied_embeddings, self.attention.kv_bytes)
-        if self.one_copy:
-            self.notes.append(accounting.memory_note(r.tensors, cfg, self.n_ctx, self.attention.kv_bytes))
         self._head_shape = None  # the row count the head's buffers are bound for
         self.n_past = 0
         self.set_sparsity(options.sparsity)
+        if self.one_copy:       # after set_sparsity, which gives a layer the kernel refuses back to the graphs
+            self.notes.append(accounting.memory_note(r.tensors, cfg, self.n_ctx, self.attention.kv_bytes))
         self.load_seconds = time.perf_counter() - t0
 
     def set_sparsity(self, override=""):

@@ -52,8 +52,9 @@ def test_one_copy_builds_no_layer_graph_and_gives_the_graphs_results(silu_file, 
     assert m.batches(24) and autotune.chunk_size(m, 100) == 50     # two equal batch calls
     held = sum(e["nbytes"] for name, e in m.reader.tensors.items() if not name.startswith("token_embd."))
     assert not m.cfg.tied_embeddings       # the embedding's rows are read from the file's map, not held
-    assert m.expected_bytes == held + m.attention.kv_bytes + accounting.PROCESS_BYTES
-    assert any(f"about {m.expected_bytes / 1e9:.2f} GB in all" in n.describe() for n in m.notes)
+    expected = accounting.expected_bytes(m.reader.tensors, m.cfg.tied_embeddings, m.attention.kv_bytes)
+    assert expected == held + m.attention.kv_bytes + accounting.PROCESS_BYTES
+    assert any(f"about {expected / 1e9:.2f} GB in all" in n.describe() for n in m.notes)
     got = _run(m)
     assert m.layers == [None] * m.cfg.n_layer       # no call built a graph
     err = np.abs(got - want).max(axis=-1) / np.abs(want).max()
@@ -67,8 +68,9 @@ def test_a_sparse_rule_brings_the_graphs_back(silu_file, monkeypatch):
     m = _load(silu_file, True, monkeypatch)
     assert m.one_copy
     m.set_sparsity("down:0.3")
-    assert not m.one_copy and all(s is not None for s in m.layers)
-    assert m.path_choices and all(c.tokens > 0 for c in m.path_choices)
+    # timed against the layer graphs, so they were made (whether they stay after the load depends on
+    # which prompt route wins the timing: loading.drop_graphs)
+    assert not m.one_copy and m.path_choices and all(c.tokens > 0 for c in m.path_choices)
     assert np.isfinite(_run(m)).all()
 
 
@@ -85,6 +87,7 @@ def test_a_layer_the_kernel_refuses_after_all_brings_the_graphs_back(silu_file, 
     monkeypatch.setattr(ffn, "layer_kernel", refuse_layer_1)
     m = _load(silu_file, True, monkeypatch)
     assert not m.one_copy and m.ffns[1] is None and all(s is not None for s in m.layers)
+    assert not any("the weights once" in n.describe() for n in m.notes)     # no one-copy memory note
     assert np.isfinite(_run(m)).all()
 
 
@@ -121,9 +124,9 @@ MEASURE = textwrap.dedent("""
 def test_one_copy_holds_each_weight_once(tmp_path):
     """SmolLM2 (98 MB) loaded a second time in a fresh process, after a first load warmed ONNX Runtime
     and the thread pool: the process's anonymous memory grows by the weights the kernels copy (the
-    whole file, at most), the KV cache and 24 MB of scratch and the head's graph (ONNX Runtime's
-    session over the 16 MB tied embedding). With the layer graphs built as well it grows by a second
-    copy of the layers' weights, which this bound does not admit."""
+    whole file, at most), the KV cache and 24 MB for scratch buffers and allocator slack (no ONNX
+    Runtime session is made under one copy). With the layer graphs built as well it grows by a
+    second copy of the layers' weights, which this bound does not admit."""
     import contextlib
     import io
 

@@ -10,7 +10,7 @@ import numpy as np
 from pinfer.converter.passes import CALIB_TOKENS_MAX
 from pinfer.formats import blocks
 from pinfer.formats.writer import create_new, partial_path
-from pinfer.runtime.accounting import PROCESS_BYTES
+from pinfer.runtime.accounting import PROCESS_BYTES, kv_cache_bytes
 from pinfer.runtime.options import DEFAULT_CTX
 
 
@@ -48,7 +48,7 @@ def dry_run(src, T, cfg, opts, out):
     _echo(f"  output: about {total_src * 1.1 / 1e6:.0f} MB (source tensors {total_src / 1e6:.0f} MB, plus "
           f"predictors of at most {po.predictor_budget:.0%} of FFN bytes)")
     ctx = min(cfg.n_ctx_train, DEFAULT_CTX)
-    kv = 2 * cfg.n_layer * ctx * cfg.n_head_kv * cfg.head_dim * 2     # K and V in f16, the runtime's default
+    kv = kv_cache_bytes(cfg, ctx)
     held = total_src - (0 if cfg.tied_embeddings else src.tensor(T["token_embd"]).raw.nbytes)
     _echo(f"  running it on the CPU (one copy of the weights: runtime/loading.py): about "
           f"{(held + kv + PROCESS_BYTES) / 1e9:.2f} GB (weights {held / 1e9:.2f} GB, a {ctx}-token KV cache "
