@@ -1,7 +1,7 @@
 """Memory and load time against llama.cpp: each load in a fresh process, the engines alternating.
 
     python benchmarks/memory.py [--shape 7b,13b] [--loads 3] [--threads 2] [--ctx 512] [--tokens 8]
-        [--llama-python VENV/bin/python] [--out benchmarks/results/memory.json]
+        [--llama-python VENV/bin/python] [--pause 0] [--out benchmarks/results/memory.json]
 
 The models are synthetic_decode.py's random LLaMA-shaped Q4_0 GGUFs (write_gguf), written once under
 ~/.cache/pinfer/synthetic and converted with `--sparsity none`. Both files are read once before the
@@ -11,6 +11,13 @@ part (RssAnon: memory the process owns, not the file's pages), the peak (VmHWM),
 over --tokens greedy tokens after a short prompt fed token by token (llama.cpp's batched evaluation
 segfaults on AMX Xeons). pinfer's own figure of what a one-copy load should take (accounting.expected_bytes)
 is printed beside its measured RSS. An engine that crashes is a row saying so.
+
+Load time depends on the state of free memory. On a virtual machine that hands freed memory back to
+its host (a Firecracker guest here, Linux 6.18), memory idle for about 2 s is faulted in again from
+the host on first touch, and 2 MB pages more slowly than 4 KB ones (3 GB touched after 8 s idle:
+0.37-0.41 GB/s in 2 MB pages, 1.4-1.8 GB/s in 4 KB pages). pinfer copies weights into 2 MB pages
+(faster decode), llama.cpp's repacked copy takes 4 KB pages. Who loads first alternates each round;
+--pause idles the same time before every load of either engine.
 """
 
 import argparse
@@ -25,9 +32,6 @@ from pathlib import Path
 
 import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
 import synthetic_decode
-from pinfer.formats import PinfReader
-from pinfer.formats.config import ModelConfig
-from pinfer.runtime.accounting import kv_cache_bytes
 
 PROMPT_IDS = [1, 45, 74, 31, 34]    # fed one at a time before the timed decode (random models: ids under every vocab)
 STATUS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
@@ -140,6 +144,9 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--llama-python", help="python of an environment with llama-cpp-python")
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds of idling before each load (default 0): a virtual machine that gives freed "
+                         "memory back to its host makes the next process fault it in again (see the docstring)")
     ap.add_argument("--cache", type=Path, default=synthetic_decode.CACHE)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
     a = ap.parse_args(argv)
@@ -147,11 +154,14 @@ def main(argv=None):
         return (pinfer_side if a.what == "side-pinfer" else llama_side)(a)
 
     result = {"benchmark": "memory", "commit": commit(), "machine": engines.machine(), "python": platform.python_version(),
-              "threads": a.threads, "ctx": a.ctx, "tokens": a.tokens, "llama_cpp": None, "models": []}
+              "threads": a.threads, "ctx": a.ctx, "tokens": a.tokens, "pause_s": a.pause, "llama_cpp": None, "models": []}
     if a.llama_python:
         result["llama_cpp"] = engines.llamacpp_info(a.llama_python)
     print(f"# {result['machine']}; pinfer at {result['commit']}; "
           f"llama.cpp {result['llama_cpp']['version'] if result['llama_cpp'] else 'not run'}", flush=True)
+    from pinfer.formats import PinfReader       # here, not at the top: the llama.cpp side runs under
+    from pinfer.formats.config import ModelConfig   # another Python, which has no pinfer
+    from pinfer.runtime.accounting import kv_cache_bytes
     for shape in a.shape.split(","):
         n_layer = a.layers or {"7b": 32, "13b": 40, "tiny": 2}[shape]
         gguf, pinf = synthetic_decode.synthetic_model(shape, n_layer, a.cache)
@@ -159,10 +169,12 @@ def main(argv=None):
         for path in (gguf, pinf):
             warm(path)
         runs = {"pinfer": [], "llama.cpp": []}
+        sides = [("pinfer", sys.executable, "pinfer", pinf)] + \
+            ([("llama.cpp", a.llama_python, "llama", gguf)] if a.llama_python else [])
         for i in range(a.loads):
-            runs["pinfer"].append(one_load(sys.executable, "pinfer", pinf, a))
-            if a.llama_python:
-                runs["llama.cpp"].append(one_load(a.llama_python, "llama", gguf, a))
+            for engine, python, side, path in sides[::-1 if i % 2 else 1]:    # who goes first alternates too
+                time.sleep(a.pause)
+                runs[engine].append(one_load(python, side, path, a))
             print(f"  {shape} load {i + 1}: " + "; ".join(f"{k} {json.dumps(v[-1])}" for k, v in runs.items() if v),
                   flush=True)
         row = {"shape": shape, "layers": n_layer, "gguf_bytes": gguf.stat().st_size, "pinf_bytes": pinf.stat().st_size,
@@ -188,7 +200,10 @@ def main(argv=None):
             print(f"| {name} | {engine} | {fmt(s['load_s'])} | {fmt(s['VmRSS'], scale=1e-9)} | {fmt(s['RssAnon'], scale=1e-9)} "
                   f"| {fmt(s['VmHWM'], scale=1e-9)} | {fmt(s['peak_after_decode'], scale=1e-9)} | {fmt(s['tok_s'])} "
                   f"| {fmt(s['expected_bytes'], scale=1e-9)} |")
-        print(f"\nKV cache in f16 at 4096 tokens: {row['kv_f16_bytes_at_4096'] / 1e9:.2f} GB; at --ctx {a.ctx}: "
+        ratio = [row[e]["load_s"] for e in ("pinfer", "llama.cpp")]
+        if all(ratio):
+            print(f"\nload time pinfer / llama.cpp: {ratio[0]['median'] / ratio[1]['median']:.2f}x (medians)")
+        print(f"KV cache in f16 at 4096 tokens: {row['kv_f16_bytes_at_4096'] / 1e9:.2f} GB; at --ctx {a.ctx}: "
               f"{row['kv_f16_bytes_at_ctx'] / 1e9:.3f} GB")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -135,13 +135,22 @@ class PinfReader:
             done += got
         return out
 
-    def release(self):
-        """Let go of the map's pages this process has touched (madvise DONTNEED): they stay in the
-        page cache, and a later read of a view faults them in again. After the runtime has copied
-        what its kernels stream (block(own=True): read into huge pages, not through the map) and ONNX Runtime
-        has packed its own, the copies do not count twice in the process's memory."""
-        if hasattr(mmap, "MADV_DONTNEED"):
+    def release(self, *names):
+        """Let go of the map's pages this process has touched (madvise DONTNEED), or only those of
+        the tensors `names`: they stay in the page cache, and a later read of a view faults them in
+        again. After the runtime has copied what its kernels stream (block(own=True): read into huge
+        pages, not through the map) and ONNX Runtime has packed its own, the copies do not count twice
+        in the process's memory."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        if not names:
             self._mm.madvise(mmap.MADV_DONTNEED)
+        for name in names:
+            e, page = self.tensors[name], mmap.PAGESIZE     # the tensor's pages: S.ALIGNMENT keeps them its own
+            start = -(-e["offset"] // page) * page
+            end = min(-(-(e["offset"] + e["nbytes"]) // page) * page, len(self._mm))
+            if end > start:
+                self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def verify(self, progress=None):
         """Check every byte: each tensor against its checksum, and the padding around them (which

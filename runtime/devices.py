@@ -4,12 +4,11 @@ CUDA provider in FP16, or the GPU's code path emulated on the CPU), the sessions
 place, and the VRAM plan of the hot neurons (noted before the weights move)."""
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from pinfer.formats import PinfFormatError
 
-from . import graphs, placement
+from . import placement
 from .options import Note
 from .ort import ORT_ERRORS, Bound, DeviceEmulation, drop_output, one_line, session_options
 
@@ -85,6 +84,9 @@ class Devices:
     def session(self, graph, threads, attention_only=False):
         """A Bound session of the file's graph `graph` for the dense part's place: attention_only
         drops the FFN's h output and everything only it needs."""
+        from onnx import TensorProto    # here: importing onnx takes 0.6 s, and a one-copy load builds no graph
+
+        from . import graphs
         proto = graphs.build(self.reader.path, self.reader.header, self.cfg, graph,
                              kv_f16=self.dense == "cpu" and self.kv_dtype == np.float16)
         if attention_only:
@@ -95,7 +97,7 @@ class Devices:
             halved = set(to_fp16(proto, keep_f32=("delta", "ffn_x", "ffn_h", "logits")))
         names, values = [], []
         for t in proto.graph.initializer:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
+            if t.data_location == TensorProto.EXTERNAL:
                 names.append(t.name)
                 a = self.reader.tensor(t.name)
                 a = a.astype(np.float16) if t.name in halved else a

@@ -62,7 +62,9 @@ def layer_kernel(model, i, mode):
     if model.one_copy and mode == "dense" and r.header["weights"].get(down) == "q4r":
         # dense: every token's down projection is row dots over W_down (SparseFFN's rows_from), so the
         # kernel holds W_down and leaves down_t in the file's map, never read
-        rows = untranspose_r(*r.block(down, own=True), empty=huge_empty)     # from a read of down_t, let go
+        fmt, parts = r.block(down)      # the map's pages of down_t, let go once W_down is made from them
+        rows = untranspose_r(fmt, parts, empty=huge_empty)
+        r.release(*(S.part_name(down, p) for p in parts))
     elif model.downs:
         rows = getattr(model.downs[i], "rows", None)    # W_down, shared with MatMulNBits
     unread = model.one_copy and rows is not None     # down_t stays in the map: the row dots read W_down

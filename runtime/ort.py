@@ -9,7 +9,6 @@ import onnxruntime as ort
 
 from pinfer import kernels
 from pinfer.formats import schema as S
-from pinfer.formats.onnx_graph import F32, GraphBuilder
 from pinfer.formats.reader import huge_empty
 
 
@@ -78,6 +77,7 @@ class MatMulDown:
         self.arrays = {S.part_name("w", p): a for p, a in w.items()}
         directory = {name: {"dtype": S.DTYPE_CODES[a.dtype], "shape": list(a.shape), "nbytes": a.nbytes}
                      for name, a in self.arrays.items()}
+        from pinfer.formats.onnx_graph import F32, GraphBuilder     # here: onnx takes 0.6 s to import
         b = GraphBuilder("down", directory)
         h = b.input("h", F32, [1, "S", n_ff])
         b.output(b.linear(h, "w", plain, d, n_ff), "y", F32, [1, "S", d])

@@ -3,6 +3,8 @@
 import json
 import struct
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,44 @@ def test_own_copies_and_release(tmp_path):
     for name, a in parts.items():
         np.testing.assert_array_equal(view[name], a)
         np.testing.assert_array_equal(own[name], a)
+
+
+def _mapped_rss(path):
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:       # a mapping's first line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_release_of_one_tensor_lets_go_of_its_pages_only(tmp_path):
+    """release(name): the pages of that tensor leave the process (a one-copy load lets go of down_t
+    once W_down is made from it), its neighbours' stay, and both still read the same bytes."""
+    p = tmp_path / "m.pinf"
+    rng = np.random.default_rng(2)
+    big = {"q": rng.integers(0, 255, (2048, 512), dtype=np.uint8), "scale": rng.standard_normal((2048, 16)).astype(np.float16)}
+    small = {"q": rng.integers(0, 255, (64, 512), dtype=np.uint8), "scale": rng.standard_normal((64, 16)).astype(np.float16)}
+    with PinfWriter(p) as w:
+        for base, parts in (("a", big), ("b", small)):
+            for name, a in parts.items():
+                w.add_tensor(S.part_name(base, name), a)
+        w.finish(dict(HEADER, weights={"a": "q4", "b": "q4"}))
+    r = PinfReader(p, schema=False)
+    a, b = r.block("a")[1], r.block("b")[1]
+    assert int(a["q"].sum()) and int(b["q"].sum())      # touch every page of both
+    before = _mapped_rss(p)
+    r.release(*(S.part_name("a", k) for k in a))
+    after = _mapped_rss(p)
+    assert before - after >= a["q"].nbytes              # a's pages went (1 MB, page-aligned)
+    assert after >= b["q"].nbytes                       # b's stayed
+    for parts, want in ((a, big), (b, small)):
+        for k in want:
+            np.testing.assert_array_equal(parts[k], want[k])
 
 
 def test_huge_copies_are_aligned_copies():

@@ -86,11 +86,12 @@ def test_matmul_down_refuses_formats_without_groups_along_n():
 
 
 @pytest.mark.parametrize("fmt", ["q8r", "q4r", "q4r-nomin"])
-@pytest.mark.parametrize("n, d", [(96, 160), (160, 96), (64, 64)])
+@pytest.mark.parametrize("n, d", [(96, 160), (160, 96), (64, 64), (32, 288), (224, 32)])
 def test_untranspose_in_c_is_the_numpy_transpose_exactly(fmt, n, d):
-    """MatMulDown rebuilds W_down (d, n_ff) from down_t in C (kernels.untranspose_r): byte for byte
-    what formats.blocks.from_transposed_r gives, over shapes that are and are not whole 64 x 64
-    tiles, into the arrays the `empty` argument makes (huge pages in the runtime)."""
+    """MatMulDown and one-copy loads rebuild W_down (d, n_ff) from down_t in C (kernels.untranspose_r):
+    byte for byte what formats.blocks.from_transposed_r gives, over shapes that are and are not whole
+    tiles (16 input rows by 128 values: UNT_J, UNT_I in ffn_down.c), into the arrays the `empty`
+    argument makes (huge pages in the runtime)."""
     from pinfer.formats import blocks
     from pinfer.formats.reader import huge_empty
     from pinfer.kernels import untranspose_r
