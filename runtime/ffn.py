@@ -68,7 +68,10 @@ def layer_kernel(model, i, mode):
     elif model.downs:
         rows = getattr(model.downs[i], "rows", None)    # W_down, shared with MatMulNBits
     unread = model.one_copy and rows is not None     # down_t stays in the map: the row dots read W_down
-    parts = (r.block(S.FFN_GATE_UP.format(i), own=True), r.block(down, own=not unread), None)
+    # split at k: the map's pages, the cold rows copied by hybrid.build and the hot ones uploaded, so
+    # that host memory holds the cold rows alone (a copy of the whole layer kept the hot rows beside VRAM's)
+    split = k > 0
+    parts = (r.block(S.FFN_GATE_UP.format(i), own=not split), r.block(down, own=not (unread or split)), None)
     if S.MODES[mode].uses_predictor:
         parts = parts[:2] + ((r.block(S.FFN_PRED_W1.format(i), own=True),
                               r.block(S.FFN_PRED_W2.format(i), own=True),
@@ -80,8 +83,12 @@ def layer_kernel(model, i, mode):
                                            model.options.deterministic)
     else:
         make = hybrid.cpu_hot_factory(k, cfg.d_model, cfg.ffn_act, model.threads, dv.copier)
-    return hybrid.build(parts, k, cfg.n_ff, cfg.d_model, cfg.ffn_act, model.threads, make,
-                        rows if rows and rows[0] == "q4" else None)
+    ffn = hybrid.build(parts, k, cfg.n_ff, cfg.d_model, cfg.ffn_act, model.threads, make,
+                       rows if rows and rows[0] == "q4" else None)
+    if split:       # what the cut read of the map (a cpu-split hot half reads it again as it needs)
+        r.release(*(S.part_name(base, p) for base, (_, ps) in zip((S.FFN_GATE_UP.format(i), down), parts[:2])
+                    for p in ps))
+    return ffn
 
 
 def down_projection(reader, cfg, i, threads):

@@ -8,6 +8,7 @@ the same start/finish contract: it checks the split and the merge on machines wi
 import numpy as np
 
 from pinfer.formats import blocks
+from pinfer.formats.reader import huge_copy
 from pinfer.kernels import SparseFFN
 
 
@@ -97,6 +98,14 @@ class HybridFFN:
         return run
 
 
+def own(gate_up, down, predictor):
+    """Copies (in huge pages) of a cut's parts, so that the cold half holds its own rows and not views
+    of the whole layer's arrays, which would keep the hot rows in host memory beside the GPU's."""
+    copy = lambda fmt_parts: (fmt_parts[0], {p: huge_copy(a) for p, a in fmt_parts[1].items()})  # noqa: E731
+    pred = None if predictor is None else (predictor[0], copy(predictor[1]), np.array(predictor[2]))
+    return copy(gate_up), copy(down), pred
+
+
 def build(layer_parts, k, n_ff, d, act, threads, hot_factory, down_rows=None):
     """The layer's FFN with k neurons hot: a plain SparseFFN at k = 0 (given W_down as down_rows,
     see SparseFFN), else a HybridFFN whose hot half hot_factory(gate_up, down, predictor) makes
@@ -106,7 +115,7 @@ def build(layer_parts, k, n_ff, d, act, threads, hot_factory, down_rows=None):
         return SparseFFN(gate_up, down, n_ff, d, act, predictor, threads, down_rows=down_rows)
     cold = None
     if k < n_ff:    # first: a cold half the CPU kernel refuses must not leave GPU memory behind
-        gu, dn, pred = cut(gate_up, down, predictor, k, n_ff)
+        gu, dn, pred = own(*cut(gate_up, down, predictor, k, n_ff))
         cold = SparseFFN(gu, dn, n_ff - k, d, act, pred, threads)
     hot = hot_factory(*cut(gate_up, down, predictor, 0, k))
     return HybridFFN(hot, cold, k, d)

@@ -151,3 +151,35 @@ def test_the_emulated_device_refuses_what_the_gpu_refuses(silu_file):
     m = Model(silu_file, RuntimeOptions(device="cpu", dense_device="emulated-gpu", threads=1))
     assert m.devices.on_device and m.devices.act_dtype == np.float16 and m.attention.kv[0][0].np is None
     assert m.prefill_by_token == 0 and not m.path_choices     # no timing of host-only paths
+
+
+
+def _root(a):
+    """The buffer at the root of `a`'s views: an array that owns its data, or what it was made from."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
+
+
+def test_a_split_layer_holds_its_cold_rows_alone(silu_file):
+    """Host memory holds a split layer's cold rows in copies of their own, not views of a copy of
+    the whole layer: those kept the hot rows in RAM beside the device's copy (issue 37, point 6).
+    The hot half (here a second CPU kernel, cpu-split) is made from the file's map."""
+    from pinfer.formats.reader import HUGE_PAGE
+    r = PinfReader(silu_file)
+    cfg = ModelConfig.from_dict(r.header["config"])
+    budget = next(b for b in range(0, 1 << 20, 1024)
+                  if min(hot := placement.plan(r, cfg, ["dense"] * 2, b).hot) > 0 and min(hot) < cfg.n_ff)
+    m = Model(silu_file, RuntimeOptions(sparsity="dense", kernels="on", threads=1, device="cpu-split",
+                                        vram_budget=budget / placement.GIB))
+    split = [(i, e.kernel) for i, e in enumerate(m.ffns) if 0 < m.plan.hot[i] < cfg.n_ff]
+    assert split, m.plan.hot
+    for i, ffn in split:
+        assert ffn.cold.n_ff == cfg.n_ff - m.plan.hot[i]
+        (_, gu), (_, dn) = ffn.cold.keep[:2]
+        for a in (*gu.values(), *dn.values()):
+            root = _root(a)     # small arrays are plain copies; from one huge page up, a map of their size
+            held = root.nbytes if isinstance(root, np.ndarray) else len(root)
+            assert (a.flags.owndata if a.nbytes < HUGE_PAGE else held <= a.nbytes + 2 * HUGE_PAGE), (i, a.shape, held)
+        (_, hot_gu), _ = ffn.hot.ffn.keep[:2]
+        assert np.shares_memory(hot_gu["q"], m.reader.tensor(S.part_name(S.FFN_GATE_UP.format(i), "q")))  # the map
