@@ -70,6 +70,10 @@ def placement_options(f):
     f = click.option("--kv-type", "-ctk", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
                      help="The KV cache's values: f16 takes half of f32's memory (as llama.cpp's default "
                           "cache, whose -ctk this is too).")(f)
+    f = click.option("--mmap", is_flag=True, default=False,
+                     help="Read the weights from the file's map (the page cache, shared and evictable, as "
+                          "llama.cpp does) instead of copies in huge pages: a faster load and less memory of "
+                          "pinfer's own, a slower decode.")(f)
     f = click.option("--vram-budget", type=float, default=None, metavar="GIB",
                      help="GiB of VRAM the GPU part may use (default: free VRAM minus 0.5 GiB); the plan is "
                           "printed at load.")(f)
@@ -87,7 +91,7 @@ def runtime_config(kw):
                           kernels=kw.get("ffn_kernel") or "auto", device=kw.get("device") or "auto",
                           vram_budget=kw.get("vram_budget"), dense_device=kw.get("dense_device") or "cpu",
                           dense_kernel=kw.get("dense_kernel") or "on", kv_type=kw.get("kv_type") or "f16",
-                          verbose=bool(ctx and verbose(ctx)))
+                          mmap=bool(kw.get("mmap")), verbose=bool(ctx and verbose(ctx)))
 
 
 def sampling_options(f):

@@ -16,10 +16,11 @@ from .schema import PinfFormatError
 
 class PinfReader:
     """schema: check the header as a model's (types, bounds: schema.header_problem); False
-    reads the container alone, for the format's own tests."""
+    reads the container alone, for the format's own tests. mapped: block(own=True) gives views of
+    the map too, and release() of the whole map does nothing (the map's pages are the weights)."""
 
-    def __init__(self, path, schema=True):
-        self.path, self.schema = Path(path), schema
+    def __init__(self, path, schema=True, mapped=False):
+        self.path, self.schema, self.mapped = Path(path), schema, mapped
         try:
             if not stat.S_ISREG(self.path.stat().st_mode):     # a FIFO or device would block the read
                 raise PinfFormatError(f"{self.path} is not a regular file; pass a .pinf file")
@@ -118,7 +119,7 @@ class PinfReader:
         fmt = self.header["weights"].get(base)
         if fmt not in S.BLOCK_FORMATS:
             self._fail(f"the weight {base!r} has unknown block format {fmt!r}")
-        get = self._own if own else self.tensor
+        get = self._own if own and not self.mapped else self.tensor
         return fmt, {p: get(S.part_name(base, p)) for p in S.BLOCK_FORMATS[fmt]
                      if S.part_name(base, p) in self.tensors}
 
@@ -141,7 +142,7 @@ class PinfReader:
         again. After the runtime has copied what its kernels stream (block(own=True): read into huge
         pages, not through the map) and ONNX Runtime has packed its own, the copies do not count twice
         in the process's memory."""
-        if not hasattr(mmap, "MADV_DONTNEED"):
+        if not hasattr(mmap, "MADV_DONTNEED") or (self.mapped and not names):
             return
         if not names:
             self._mm.madvise(mmap.MADV_DONTNEED)

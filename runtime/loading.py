@@ -1,6 +1,7 @@
 """Loading a model's layers: several at a time, and what loading frees handed back to the system."""
 
 import ctypes
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -104,3 +105,17 @@ def one_copy(model, modes):
         if why:
             return f"layer {i}: {why}"
     return None
+
+
+def stream_layers(model, n):
+    """Bind the model's steps for a call of n tokens (one batch: see autotune.chunk_size) so that
+    each layer's pages of the file's map are let go once it has run. A model that reads its weights
+    from the map (RuntimeOptions.mmap) then holds about one layer at a time through the call: the
+    converter's verification of a large model. Decoding so would fault every page in again at each
+    token, so it is for one call; the next bind_activations of another length undoes it."""
+    model.bind_activations(n)
+    run = []
+    for i, steps in enumerate(model.steps.by_layer):
+        names = [name for name in model.reader.tensors if name.startswith(f"blk.{i}.")]
+        run += steps + [functools.partial(model.reader.release, *names)]
+    model.steps.run = run

@@ -33,7 +33,7 @@ class Model:
 
     def __init__(self, path, options=RuntimeOptions()):
         t0 = time.perf_counter()
-        self.reader = r = PinfReader(path)
+        self.reader = r = PinfReader(path, mapped=options.mmap)
         self.cfg = cfg = ModelConfig.from_dict(r.header["config"])
         self.n_ctx = options.n_ctx or min(cfg.n_ctx_train, DEFAULT_CTX)
         self.threads = options.threads or os.cpu_count() or 1

@@ -42,6 +42,11 @@ class RuntimeOptions:
     # tokens of a 7B model take 2.1 GB instead of 4.3) or "f32". A dense part in FP16 keeps
     # its cache in f16 whatever this says.
     kv_type: str = "f16"
+    # True: the C kernels read the weights from the file's map (4 KB pages of the page cache, shared
+    # and evictable, as llama.cpp's mmap) instead of copies in 2 MB pages: a load takes about 1 s and
+    # little memory of its own, decode is slower (7B-shaped Q4_0, 2 threads on the Xeon: 5.1-5.5
+    # against 5.8-6.7 tok/s), and a dense layer's down projection reads down_t (no W_down made).
+    mmap: bool = False
 
     def __post_init__(self):
         if self.kernels not in KERNELS:

@@ -36,9 +36,12 @@ def verify_output(path, layout):
     t0 = time.perf_counter()
     checks = {}
     seq_len = layout.calib_set.heldout.shape[1] if layout.calib_set is not None else 64
-    # without calibration as the runtime loads (loading.one_copy); else the NumPy rules' row counts need the graphs
+    # Without calibration as the runtime loads with --mmap, a layer at a time (loading.stream_layers),
+    # so that the converter's peak stays about one layer above the conversion's; else the NumPy
+    # rules' row counts need the graphs.
+    plain = layout.calibration is None
     model = Model(path, RuntimeOptions(n_ctx=max(seq_len, TEACHER_TOKENS), device="cpu",
-                                       kernels="off" if layout.calibration is not None else "auto"))
+                                       kernels="auto" if plain else "off", mmap=plain))
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     texts = list(SAMPLES)
     bad = [t for t in texts if tok.decode(tok.encode(t, add_bos=False, parse_special=False)) != t]
@@ -46,8 +49,12 @@ def verify_output(path, layout):
     if bad:
         raise ValueError(f"verification failed: the tokenizer does not round-trip {bad[0]!r}")
 
-    if layout.calibration is None:
-        logits = model.forward(tok.encode(SAMPLES[0]) or [0])
+    if plain:
+        from pinfer.kernels import MAX_BATCH
+        from pinfer.runtime.loading import stream_layers
+        ids = (tok.encode(SAMPLES[0]) or [0])[:MAX_BATCH]
+        stream_layers(model, len(ids))
+        logits = model.forward(ids)
         if not np.isfinite(logits).all():
             raise ValueError("verification failed: the converted model produces non-finite logits")
         checks["finite_logits"] = True
