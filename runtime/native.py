@@ -1,9 +1,9 @@
 """Decode's dense part through pinfer's C kernels (pinfer/kernels/decode.py) instead of ONNX Runtime,
-for the layers and heads of a kind they cover: RMSNorm, RoPE, attention over the whole context, no
-Gemma-style extra norms. For one token ONNX Runtime's fixed cost per session and node outweighed the
-bytes: on SmolLM2 the 30 attention sessions took ~3.3 ms a token for ~15 MB of weights. Prompts still
-run through ONNX Runtime's graphs, which fill the same KV cache; --dense-kernel off keeps every step
-there."""
+for the layers and heads of a kind they cover: RMSNorm (Gemma's post norms and Qwen3's and Gemma 3's
+per-head q/k norms too), RoPE, attention over the whole context or a sliding window. For one token
+ONNX Runtime's fixed cost per session and node outweighed the bytes: on SmolLM2 the 30 attention
+sessions took ~3.3 ms a token for ~15 MB of weights. Prompts still run through ONNX Runtime's
+graphs, which fill the same KV cache; --dense-kernel off keeps every step there."""
 
 import numpy as np
 
@@ -18,16 +18,13 @@ def refusal(reader, cfg, i=None):
     if cfg.norm == "layer":
         return "LayerNorm"
     if i is None:
-        if S.FFN_POST_NORM.format(cfg.n_layer - 1) in tensors:
-            return "a norm after the last FFN"
         base = S.TOKEN_EMBD if cfg.tied_embeddings else S.OUTPUT
         return None if weights.get(base) in LINEAR_FORMATS else f"a head in {weights.get(base)}"
-    if cfg.positions != "rope" or cfg.windowed(i) or cfg.n_head % cfg.n_head_kv or \
+    if cfg.positions != "rope" or cfg.n_head % cfg.n_head_kv or \
             not 0 < cfg.rotary_dim <= cfg.head_dim or cfg.rotary_dim % 2:
-        return "an attention the kernel lacks (learned positions, a sliding window, uneven heads or RoPE widths)"
-    extra = (S.ATTN_Q_NORM.format(i), S.ATTN_POST_NORM.format(i)) + ((S.FFN_POST_NORM.format(i - 1),) if i else ())
-    if any(name in tensors for name in extra):
-        return "per-head or post norms"
+        return "an attention the kernel lacks (learned positions, uneven heads or RoPE widths)"
+    if (S.ATTN_Q_NORM.format(i) in tensors) != (S.ATTN_K_NORM.format(i) in tensors):
+        return "a per-head norm of q or of k alone"
     fmts = {weights.get(S.ATTN_QKV.format(i)), weights.get(S.ATTN_OUT.format(i))}
     return None if fmts <= set(LINEAR_FORMATS) else f"attention weights in {sorted(map(str, fmts))}"
 
@@ -48,7 +45,10 @@ def attention_steps(reader, cfg, threads, load_map):
             n_head=cfg.n_head, n_kv=cfg.n_head_kv, head_dim=cfg.head_dim, rot=cfg.rotary_dim,
             interleaved=cfg.rope_interleaved, eps=cfg.norm_eps, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
             qkv_bias=optional(S.ATTN_QKV_BIAS.format(i)), out_bias=optional(S.ATTN_OUT_BIAS.format(i)),
-            down_bias=optional(S.FFN_DOWN_BIAS.format(i)), threads=threads)
+            down_bias=optional(S.FFN_DOWN_BIAS.format(i)), q_norm=optional(S.ATTN_Q_NORM.format(i)),
+            k_norm=optional(S.ATTN_K_NORM.format(i)), post_norm=optional(S.ATTN_POST_NORM.format(i)),
+            delta_norm=optional(S.FFN_POST_NORM.format(i - 1)) if i else None,
+            window=window(cfg, i), threads=threads)
     return load_map(step, cfg.n_layer)
 
 
@@ -82,8 +82,17 @@ def head(reader, cfg, threads):
     if refusal(reader, cfg):
         return None
     base = S.TOKEN_EMBD if cfg.tied_embeddings else S.OUTPUT
+    last = S.FFN_POST_NORM.format(cfg.n_layer - 1)
     return Head(HeadStep(reader.block(base, own=True), reader.tensor(S.OUTPUT_NORM), cfg.vocab, eps=cfg.norm_eps,
-                         softcap=cfg.final_softcap, threads=threads), cfg.vocab)
+                         softcap=cfg.final_softcap, delta_norm=reader.tensor(last) if last in reader.tensors else None,
+                         threads=threads), cfg.vocab)
+
+
+def window(cfg, i):
+    """Positions layer i's attention reads at most (0: all): the latest sliding_window, as the layer
+    graph's GroupQueryAttention reads them with local_window_size = sliding_window (the test against
+    it decodes past the window, and fails with one position more)."""
+    return cfg.sliding_window if cfg.windowed(i) else 0
 
 
 def bind_layer(step, state, i, resid, delta, resid_out, x_out):

@@ -401,19 +401,18 @@ def test_prompts_through_the_kernels_batch_call_with_native_attention(gguf_file,
     _assert_close_but_for_roundings(got, want)
 
 
-@pytest.mark.parametrize("case, layer, why", [("mistral", 0, "sliding window"), ("gemma2", 1, "post norms")])
-def test_refused_layers_keep_their_sessions(tmp_path, monkeypatch, case, layer, why):
-    """Kinds of layer the C kernels lack keep ONNX Runtime's attention sessions, and native.refusal
-    says why (Mistral's window; Gemma 2's norms after attention, its window on every other layer);
-    decode is still the model's. --dense-kernel off builds none of the C steps."""
+def test_refused_layers_keep_their_sessions(tmp_path, monkeypatch):
+    """Kinds of layer the C kernels lack keep ONNX Runtime's sessions, and native.refusal says why
+    (OPT's LayerNorm and learned positions); decode is still the model's. --dense-kernel off builds
+    none of the C steps."""
     pytest.importorskip("transformers")
     from test_hf_models import make_hf_model
-    make_hf_model(tmp_path / case, case)
-    path = _convert(tmp_path / case, tmp_path / f"{case}.pinf")
+    make_hf_model(tmp_path / "opt", "opt")
+    path = _convert(tmp_path / "opt", tmp_path / "opt.pinf")
     monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
     m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kv_type="f32"))
-    assert all(m.ffns) and all(s is None for s in m.native) and all(a is not None for a in m.attn)
-    assert why in native.refusal(m.reader, m.cfg, layer)
+    assert all(s is None for s in m.native) and m.native_head is None
+    assert "LayerNorm" in native.refusal(m.reader, m.cfg, 0) and "LayerNorm" in native.refusal(m.reader, m.cfg)
     want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off",
                                               kv_type="f32")))
     _assert_close_but_for_roundings(_decode(m), want)
@@ -421,10 +420,12 @@ def test_refused_layers_keep_their_sessions(tmp_path, monkeypatch, case, layer, 
     assert off.native_head is None and all(s is None for s in off.native)
 
 
-@pytest.mark.parametrize("case", ["llama3.1", "qwen2", "phi3", "llama-tied"])
+@pytest.mark.parametrize("case", ["llama3.1", "qwen2", "phi3", "llama-tied", "qwen3", "mistral", "gemma2", "gemma3"])
 def test_hugging_face_layouts_decode_through_the_c_kernels(tmp_path, monkeypatch, case):
     """Float weights, and what these layouts add: Llama 3's RoPE frequency divisors, Qwen2's qkv
-    biases, Phi-3's RoPE over half of each head, a tied head. The C kernels' decode against the
+    biases, Phi-3's RoPE over half of each head, a tied head, Qwen3's per-head q/k norms, Mistral's
+    sliding window (16 positions: _decode's 24 tokens pass it), Gemma 2's post norms, soft caps and
+    windowed layers, Gemma 3's q/k norms and local RoPE base. The C kernels' decode against the
     sessions' within float rounding."""
     pytest.importorskip("transformers")
     from test_hf_models import make_hf_model

@@ -26,13 +26,14 @@ class _AttnCall(ctypes.Structure):
         [(n, I64) for n in ("d", "n_head", "n_kv", "hd", "rot", "n_ctx")] + [("interleaved", ctypes.c_int)] + \
         [(n, P) for n in ("k_cache", "v_cache", "cos", "sin", "total")] + [("back", I64)] + \
         [(n, P) for n in ("resid", "delta", "resid_out", "x_out", "work")] + [("threads", ctypes.c_int),
-                                                                             ("kv_f16", ctypes.c_int)]
+                                                                             ("kv_f16", ctypes.c_int)] + \
+        [(n, P) for n in ("q_norm", "k_norm", "post_norm", "delta_norm")] + [("window", I64)]
 
 
 class _HeadCall(ctypes.Structure):
     """head_call_t of decode.c."""
     _fields_ = [("w", _Linear), ("norm", P), ("eps", F32), ("softcap", F32), ("d", I64), ("resid", P),
-                ("delta", P), ("logits", P), ("work", P), ("threads", ctypes.c_int)]
+                ("delta", P), ("logits", P), ("work", P), ("threads", ctypes.c_int), ("delta_norm", P)]
 
 
 def _vector(a, n, what):
@@ -68,8 +69,15 @@ class AttentionStep:
     the position total - 1."""
 
     def __init__(self, qkv, out, attn_norm, ffn_norm, *, n_head, n_kv, head_dim, rot, interleaved, eps,
-                 scale=0.0, softcap=0.0, qkv_bias=None, out_bias=None, down_bias=None, threads=1):
+                 scale=0.0, softcap=0.0, qkv_bias=None, out_bias=None, down_bias=None, q_norm=None, k_norm=None,
+                 post_norm=None, delta_norm=None, window=0, threads=1):
+        """q_norm, k_norm (head_dim): per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3);
+        post_norm (d): RMSNorm of the attention's output (Gemma); delta_norm (d): RMSNorm of delta before
+        it joins resid (the previous layer's post-FFN norm, Gemma); window: attend to the last `window`
+        positions at most (0: all)."""
         d = len(attn_norm)
+        if window < 0:
+            raise ValueError(f"an attention window of {window} positions")
         if n_head % n_kv or not 0 < rot <= head_dim or rot % 2:
             raise ValueError(f"{n_head} heads over {n_kv} kv heads with RoPE over {rot} of {head_dim} dims "
                              "is not a shape the attention kernel takes")
@@ -78,6 +86,10 @@ class AttentionStep:
         self.out, keep_out = linear(out, d, n_head * head_dim, out_bias, "attn_output")
         self.norms = tuple(_vector(v, d, name) for v, name in ((attn_norm, "attn_norm"), (ffn_norm, "ffn_norm"),
                                                               (down_bias, "ffn_down bias")))
+        self.extra = tuple(_vector(v, n, name) for v, n, name in (
+            (q_norm, head_dim, "attn_q_norm"), (k_norm, head_dim, "attn_k_norm"), (post_norm, d, "post_attention_norm"),
+            (delta_norm, d, "post_ffw_norm")))
+        self.window = int(window)
         self.keep = (keep_qkv, keep_out)
         self.work = np.empty(0, np.float32)     # scratch every bound call shares: they run one at a time
         self.shape = dict(d=d, n_head=n_head, n_kv=n_kv, hd=head_dim, rot=rot)
@@ -128,7 +140,7 @@ class AttentionStep:
                          _buffer(total, 1, "total", np.int32), back,
                          *(_buffer(a, nt * d, name) for a, name in ((resid, "resid"), (delta, "delta"),
                                                                     (resid_out, "resid_out"), (x_out, "x_out"))),
-                         None, self.threads, int(kv == np.float16))
+                         None, self.threads, int(kv == np.float16), *(ptr(v) for v in self.extra), self.window)
         ref = ctypes.byref(call)
         need = _lib.pinfer_attn_work(ref, nt)
         if len(self.work) < need:       # calls bound before keep the smaller buffer they point into
@@ -139,12 +151,15 @@ class AttentionStep:
 
 
 class HeadStep:
-    """The head for one token (decode.c's pinfer_head_call): logits = W RMSNorm(resid + delta)."""
+    """The head for one token (decode.c's pinfer_head_call): logits = W RMSNorm(resid + delta), delta
+    normed first where delta_norm is given."""
 
-    def __init__(self, weight, norm, vocab, *, eps, softcap=0.0, threads=1):
+    def __init__(self, weight, norm, vocab, *, eps, softcap=0.0, delta_norm=None, threads=1):
+        """delta_norm (d): RMSNorm of delta before it joins resid (the last layer's post-FFN norm, Gemma)."""
         self.d = len(norm)
         self.w, self.keep = linear(weight, vocab, self.d, what="head")
         self.norm = _vector(norm, self.d, "output_norm")
+        self.delta_norm = _vector(delta_norm, self.d, "post_ffw_norm")
         self.vocab, self.eps, self.softcap, self.threads = vocab, eps, softcap, threads
 
     def bind(self, resid, delta, logits):
@@ -159,7 +174,8 @@ class HeadStep:
             raise ValueError(f"the head takes 1 to {MAX_BATCH} rows a call, not {nt}")
         call = _HeadCall(self.w, self.norm.ctypes.data, self.eps, self.softcap, self.d,
                          _buffer(resid, nt * self.d, "resid"), _buffer(delta, nt * self.d, "delta"),
-                         _buffer(logits, nt * self.vocab, "logits"), None, self.threads)
+                         _buffer(logits, nt * self.vocab, "logits"), None, self.threads,
+                         None if self.delta_norm is None else self.delta_norm.ctypes.data)
         ref = ctypes.byref(call)
         work = np.empty(_lib.pinfer_head_work(ref, nt), np.float32)
         call.work = work.ctypes.data

@@ -5,14 +5,18 @@
  * calls where runtime/native.py says the layer is of a kind they cover, and prompts still run
  * through ONNX Runtime, which fills the same KV cache.
  *
- * A layer (pinfer_attn_call), as the layer graph computes it:
- *   r1 = resid + delta;  x = RMSNorm(r1) * attn_norm
- *   qkv = W_qkv x (+ bias); RoPE on q and k (rotate-half, or adjacent pairs when interleaved) over
- *   the first `rot` dims of each head, with the cos/sin tables' row for the position
- *   k, v -> the cache at the position; each head attends over positions 0..pos of its kv head
- *   (scale, optional softcap c tanh(s / c)), softmax in float
- *   r2 = r1 + W_out att (+ bias);  x_out = RMSNorm(r2) * ffn_norm;  resid_out = r2 (+ down bias)
- * The head (pinfer_head_call): logits = W RMSNorm(resid + delta) * norm, optional softcap.
+ * A layer (pinfer_attn_call), as the layer graph computes it (runtime/graphs.py):
+ *   r1 = resid + delta (delta RMSNormed by delta_norm first: the previous layer's post-FFN norm, Gemma)
+ *   x = RMSNorm(r1) * attn_norm;  qkv = W_qkv x (+ bias)
+ *   q and k per head RMSNormed by q_norm, k_norm where given (Qwen3, Gemma 3); RoPE on q and k
+ *   (rotate-half, or adjacent pairs when interleaved) over the first `rot` dims of each head, with
+ *   the cos/sin tables' row for the position
+ *   k, v -> the cache at the position; each head attends over positions 0..pos of its kv head, or
+ *   the last `window` of them (scale, optional softcap c tanh(s / c)), softmax in float
+ *   o = W_out att (+ bias), RMSNormed by post_norm where given (Gemma)
+ *   r2 = r1 + o;  x_out = RMSNorm(r2) * ffn_norm;  resid_out = r2 (+ down bias)
+ * The head (pinfer_head_call): logits = W RMSNorm(resid + delta) * norm (delta RMSNormed by
+ * delta_norm first where given), optional softcap.
  *
  * Weights (linear_t) are row-major (rows, k) in a block format of formats/schema.py: q4 and q5
  * (the FFN kernel's row dots, x quantized to int8 per group of 32 as MatMulNBits does), q8 (u8 q +
@@ -54,6 +58,10 @@ typedef struct {
     float *work;
     int threads;
     int kv_f16;                         /* the KV cache holds f16 values (rounded to nearest even) */
+    const float *q_norm, *k_norm;       /* (hd) per-head RMSNorm weights of q and k, or NULL */
+    const float *post_norm;             /* (d) RMSNorm weights of the attention's output, or NULL */
+    const float *delta_norm;            /* (d) RMSNorm weights of delta before it joins resid, or NULL */
+    int64_t window;                     /* attend to the last `window` positions at most; 0: all */
 } attn_call_t;
 
 typedef struct {
@@ -65,6 +73,7 @@ typedef struct {
     float *logits;
     float *work;
     int threads;
+    const float *delta_norm;            /* (d) RMSNorm weights of delta before it joins resid, or NULL */
 } head_call_t;
 
 /* -- q8 rows with int8 x in natural order ------------------------------------------------------ */
@@ -476,22 +485,23 @@ static void heads(void *p, int64_t h0, int64_t h1) {
 #ifdef PINFER_X86
     const head_fn f = t->isa == ISA_PORTABLE ? NULL : head8_for(hd, f16, t->isa);
 #endif
+    const int64_t first = a->window > 0 && t->n > a->window ? t->n - a->window : 0, n = t->n - first;
     for (int64_t h = h0; h < h1; h++) {
-        const size_t at = (size_t)((h / group) * a->n_ctx * hd) * width;
+        const size_t at = (size_t)((h / group) * a->n_ctx * hd + first * hd) * width;
         const void *K = (const char *)a->k_cache + at, *V = (const char *)a->v_cache + at;
         const float *q = t->q + h * hd;
         float *s = t->scores + h * a->n_ctx, *o = t->out + h * hd;
 #ifdef PINFER_X86
         if (f) {
-            f(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
+            f(q, K, V, n, hd, a->scale, a->softcap, s, o);
             continue;
         }
         if (t->isa == ISA_AVX512 && !f16) {     /* widths not a multiple of 8 */
-            head_avx512(q, K, V, t->n, hd, a->scale, a->softcap, s, o);
+            head_avx512(q, K, V, n, hd, a->scale, a->softcap, s, o);
             continue;
         }
 #endif
-        head_portable(q, K, V, t->n, hd, a->scale, a->softcap, s, o, f16);
+        head_portable(q, K, V, n, hd, a->scale, a->softcap, s, o, f16);
     }
 }
 
@@ -513,8 +523,12 @@ static void rope_store(const attn_call_t *a, float *qkv, int64_t pos) {
     const int64_t hd = a->hd, half = a->rot / 2;
     float *q = qkv, *k = qkv + a->n_head * hd, *v = k + a->n_kv * hd;
     const float *c = a->cos + pos * half, *s = a->sin + pos * half;
-    for (int64_t h = 0; h < a->n_head; h++) rope(q + h * hd, c, s, a->rot, a->interleaved);
+    for (int64_t h = 0; h < a->n_head; h++) {
+        if (a->q_norm) rms_norm(q + h * hd, a->q_norm, a->eps, hd, q + h * hd);
+        rope(q + h * hd, c, s, a->rot, a->interleaved);
+    }
     for (int64_t h = 0; h < a->n_kv; h++) {
+        if (a->k_norm) rms_norm(k + h * hd, a->k_norm, a->eps, hd, k + h * hd);
         rope(k + h * hd, c, s, a->rot, a->interleaved);
         const int64_t at = (h * a->n_ctx + pos) * hd;
         if (a->kv_f16) {
@@ -539,7 +553,12 @@ static void attn_tokens(const attn_call_t *a, int64_t nt, int64_t pos0, int thre
     float *qbuf = scores + a->n_head * a->n_ctx;
     for (int64_t t = 0; t < nt; t++) {
         float *r = a->resid_out + t * d;
-        for (int64_t i = 0; i < d; i++) r[i] = a->resid[t * d + i] + a->delta[t * d + i];
+        const float *dt = a->delta + t * d;
+        if (a->delta_norm) {        /* x's row as the normed delta's scratch until the norm below */
+            rms_norm(dt, a->delta_norm, a->eps, d, x + t * d);
+            dt = x + t * d;
+        }
+        for (int64_t i = 0; i < d; i++) r[i] = a->resid[t * d + i] + dt[i];
         rms_norm(r, a->attn_norm, a->eps, d, x + t * d);
     }
     linear(&a->qkv, x, qkv, nt, qbuf, threads, isa);
@@ -552,6 +571,7 @@ static void attn_tokens(const attn_call_t *a, int64_t nt, int64_t pos0, int thre
     linear(&a->out, att, x, nt, qbuf, threads, isa);
     for (int64_t t = 0; t < nt; t++) {
         float *r = a->resid_out + t * d;
+        if (a->post_norm) rms_norm(x + t * d, a->post_norm, a->eps, d, x + t * d);
         for (int64_t i = 0; i < d; i++) r[i] += x[t * d + i];
         rms_norm(r, a->ffn_norm, a->eps, d, a->x_out + t * d);
         if (a->down_bias)
@@ -593,7 +613,12 @@ int pinfer_head_rows(const head_call_t *a, int64_t nt) {
     const int isa = pinfer_sparse_isa(-1);
     const int threads = pinfer_pool_enter(a->threads);
     for (int64_t t = 0; t < nt; t++) {
-        for (int64_t i = 0; i < d; i++) r[t * d + i] = a->resid[t * d + i] + a->delta[t * d + i];
+        const float *dt = a->delta + t * d;
+        if (a->delta_norm) {        /* x's row as the normed delta's scratch until the norm below */
+            rms_norm(dt, a->delta_norm, a->eps, d, x + t * d);
+            dt = x + t * d;
+        }
+        for (int64_t i = 0; i < d; i++) r[t * d + i] = a->resid[t * d + i] + dt[i];
         rms_norm(r + t * d, a->norm, a->eps, d, x + t * d);
     }
     linear(&a->w, x, a->logits, nt, x + nt * d, threads, isa);
