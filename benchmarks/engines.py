@@ -26,30 +26,51 @@ def llamacpp(py, what, gguf, threads, *positional, **args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+class EngineFailed(RuntimeError):
+    """The other engine's process died or answered nothing: a benchmark reports it as a result."""
+
+
 class LlamaWorker:
-    """A warm llama.cpp process (llamacpp_side.py worker) on one model and thread count."""
+    """A warm llama.cpp process (llamacpp_side.py worker) on one model and thread count. A worker
+    that dies (llama.cpp segfaults on some CPUs) raises EngineFailed with its exit status."""
 
     def __init__(self, py, gguf, threads, ctx=512):
         self.proc = subprocess.Popen([str(py), str(SIDE), "worker", str(gguf), "--threads", str(threads),
                                       "--ctx", str(ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env())
-        if not json.loads(self.proc.stdout.readline()).get("ready"):
-            raise RuntimeError("llama.cpp's worker did not start")
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=clean_env())
+        if not self._answer().get("ready"):
+            raise EngineFailed("llama.cpp's worker did not start")
+
+    def _answer(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            rc = self.proc.wait(30)
+            raise EngineFailed(f"llama.cpp's worker exited with status {rc}"
+                               + (" (a segmentation fault)" if rc == -11 else ""))
+        return json.loads(line)
+
+    def _ask(self, line):
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass        # _answer says how it ended
+        return self._answer()
 
     def decode(self, n):
         """tok/s of n greedy decode steps."""
-        self.proc.stdin.write(f"decode {n}\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())["tok_s"]
+        return self._ask(f"decode {n}")["tok_s"]
 
     def prompt(self, ids):
         """tok/s of `ids` as one prompt from an empty cache."""
-        self.proc.stdin.write("prompt " + " ".join(map(str, ids)) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())["tok_s"]
+        return self._ask("prompt " + " ".join(map(str, ids)))["tok_s"]
 
     def close(self):
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
         self.proc.wait(30)
 
 

@@ -85,9 +85,12 @@ def decode(a):
 
 
 def decode_loop(llm, prompt, n):
-    """Seconds for n greedy tokens after `prompt`, each one llama_decode of a single token."""
+    """Seconds for n greedy tokens after `prompt`, each one llama_decode of a single token; the prompt
+    too goes in one token a call: on AMX Xeons a batched evaluation (n_ubatch above 1) of this build
+    segfaults (the Qwen3-shaped synthetic file's 5-token prompt did)."""
     llm.reset()
-    llm.eval(prompt)
+    for tok in prompt:
+        llm.eval([tok])
     t = int(np.argmax(last_logits(llm)))
     t0 = time.perf_counter()
     for _ in range(n):

@@ -115,20 +115,28 @@ def measure(pinf, gguf, threads, a):
     of one model at one thread count. A file with sparse rules runs them, its predictors' reads and
     time included; the rows read are the last run's decode steps'."""
     model = Model(pinf, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
-    llama = engines.LlamaWorker(a.llama_python, gguf, threads)
+    ours, theirs, llama = [], [], None
+    try:
+        llama = engines.LlamaWorker(a.llama_python, gguf, threads)
+    except engines.EngineFailed as e:
+        theirs = str(e)             # the row says so; pinfer's runs go on alone
     try:
         feed = text_ids(model, 5 + a.tokens) if a.feed_text else None
         pinfer_decode(model, 16)         # warm-up; llama.cpp's worker warmed itself up
-        ours, theirs = [], []
         for r in range(a.repeats):
-            sides = [lambda: ours.append(pinfer_decode(model, a.tokens, feed)),
-                     lambda: theirs.append(llama.decode(a.tokens))]
+            sides = [lambda: ours.append(pinfer_decode(model, a.tokens, feed))]
+            if isinstance(theirs, list):
+                sides.append(lambda: theirs.append(llama.decode(a.tokens)))
             for side in sides[::-1] if r % 2 else sides:
                 time.sleep(SETTLE_S)
-                side()
+                try:
+                    side()
+                except engines.EngineFailed as e:
+                    theirs = str(e)
         return ours, theirs, model.weight_bytes_per_token() / 1e6, model.counters.read_fractions()
     finally:
-        llama.close()
+        if llama is not None:
+            llama.close()
         model = None
         gc.collect()    # the model's bound steps hold it in cycles: a 7B one must go before the next loads
 
@@ -177,11 +185,15 @@ def main(argv=None):
                     convert(ConvertOptions(gguf, pinf, passes=DENSE))
             for t in threads:
                 ours, theirs, mb, (gu, down) = measure(pinf, gguf, t, a)
-                o, l = statistics.median(ours), statistics.median(theirs)
+                o = statistics.median(ours)
                 bound = bandwidth[t] / (mb * 1e6)
-                print(f"| {gguf.name} | {t} | {o:.1f} ({min(ours):.1f}-{max(ours):.1f}) | {l:.1f} "
-                      f"({min(theirs):.1f}-{max(theirs):.1f}) | {o / l:.2f}x | {rows_read(gu, down)} | {mb:.1f} | {bound:.0f} | {o / bound:.0%} |",
-                      flush=True)
+                if isinstance(theirs, str):     # llama.cpp failed: its cell says how
+                    llama_cell, ratio = f"failed: {theirs}", "—"
+                else:
+                    l = statistics.median(theirs)
+                    llama_cell, ratio = f"{l:.1f} ({min(theirs):.1f}-{max(theirs):.1f})", f"{o / l:.2f}x"
+                print(f"| {gguf.name} | {t} | {o:.1f} ({min(ours):.1f}-{max(ours):.1f}) | {llama_cell} | {ratio} "
+                      f"| {rows_read(gu, down)} | {mb:.1f} | {bound:.0f} | {o / bound:.0%} |", flush=True)
 
 
 if __name__ == "__main__":

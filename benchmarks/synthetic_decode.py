@@ -28,6 +28,15 @@ and the bytes and time are the same):
     python benchmarks/smollm2_vs_llamacpp.py --model ~/.cache/pinfer/synthetic/synthetic-7b-32L-relu10.Q4_0.gguf \
         --pinf ~/.cache/pinfer/synthetic/synthetic-7b-32L-relu10.Q4_0.pinf --tokens 16 --feed-text \
         --llama-python .venv-llama/bin/python [--isa avx2]
+
+`--build-family qwen3-0.6b|gemma3-270m` writes random Q4_0 files of other families' real shapes and
+layer kinds (FAMILIES: Qwen3's per-head q/k norms and 152k vocabulary; Gemma 3's post norms, q/k
+norms, 512-position window on 5 of 6 layers, GeLU and 262k vocabulary, both heads tied), for the
+same comparison:
+
+    python benchmarks/synthetic_decode.py --build-family gemma3-270m
+    python benchmarks/smollm2_vs_llamacpp.py --model ~/.cache/pinfer/synthetic/synthetic-gemma3-270m.Q4_0.gguf \
+        --pinf ~/.cache/pinfer/synthetic/synthetic-gemma3-270m.Q4_0.pinf --tokens 64 --llama-python .venv-llama/bin/python
 """
 
 import argparse
@@ -125,6 +134,78 @@ def write_gguf(path, shape, n_layer, seed=0, ffn_act=None):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d, np.float32))
     _finish(w, path)
+
+
+# Real shapes of small models of other families (issue 38), in Q4_0 with random weights: the
+# layers' kinds as their GGUF files have them (per-head q/k norms, Gemma's post norms and sliding
+# window, tied heads of large vocabularies), for speed only.
+FAMILIES = {
+    "qwen3-0.6b": dict(arch="qwen3", d=1024, n_ff=3072, n_head=16, n_kv=8, hd=128, vocab=151936, n_layer=28,
+                       rope_base=1e6),
+    "gemma3-270m": dict(arch="gemma3", d=640, n_ff=2048, n_head=4, n_kv=1, hd=256, vocab=262144, n_layer=18,
+                        rope_base=1e6, window=512),
+}
+
+
+def write_family_gguf(path, family, seed=0):
+    """A random Q4_0 GGUF of FAMILIES[family]'s shape and layer kinds, as llama.cpp's converter
+    names them; the norms are ones (Gemma's GGUF norms hold 1 + w already)."""
+    import gguf
+    f = FAMILIES[family]
+    d, hd, n_ff = f["d"], f["hd"], f["n_ff"]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path.with_suffix(".part")), arch=f["arch"])
+    w.add_name(f"synthetic-{family}")
+    w.add_block_count(f["n_layer"])
+    w.add_context_length(32768)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(f["n_head"])
+    w.add_head_count_kv(f["n_kv"])
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(f["rope_base"])
+    w.add_layer_norm_rms_eps(1e-6)
+    if "window" in f:
+        w.add_sliding_window(f["window"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    tokens, scores, types = spm_vocab(f["vocab"])
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    Q = gguf.GGMLQuantizationType.Q4_0
+
+    def q4(name, rows, k):
+        w.add_tensor(name, q4_0_blocks(rng, rows, k, 1 / (4.6 * np.sqrt(k))), raw_dtype=Q)
+
+    def ones(name, n):
+        w.add_tensor(name, np.ones(n, np.float32))
+
+    q4("token_embd.weight", f["vocab"], d)      # tied: the head
+    ones("output_norm.weight", d)
+    for i in range(f["n_layer"]):
+        q4(f"blk.{i}.attn_q.weight", f["n_head"] * hd, d)
+        q4(f"blk.{i}.attn_k.weight", f["n_kv"] * hd, d)
+        q4(f"blk.{i}.attn_v.weight", f["n_kv"] * hd, d)
+        q4(f"blk.{i}.attn_output.weight", d, f["n_head"] * hd)
+        q4(f"blk.{i}.ffn_gate.weight", n_ff, d)
+        q4(f"blk.{i}.ffn_up.weight", n_ff, d)
+        q4(f"blk.{i}.ffn_down.weight", d, n_ff)
+        for name in ("attn_norm", "ffn_norm") + (("post_attention_norm", "post_ffw_norm") if f["arch"] == "gemma3" else ()):
+            ones(f"blk.{i}.{name}.weight", d)
+        for name in ("attn_q_norm", "attn_k_norm"):
+            ones(f"blk.{i}.{name}.weight", hd)
+    _finish(w, path)
+
+
+def family_model(family, cache):
+    """(GGUF, .pinf) of FAMILIES[family], written and converted (--sparsity none) on first use."""
+    from pinfer.converter.passes import DENSE
+    return _cached(cache / f"synthetic-{family}.Q4_0.gguf", lambda p: write_family_gguf(p, family), passes=DENSE)
 
 
 RELU_RANK = 96        # rank of the gate's learnable part (the predictor's ranks tried are 224 and 448 at 7B)
@@ -313,9 +394,14 @@ def main(argv=None):
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--prompt", type=int, default=32,
                     help="also time a prompt of this many tokens (at most 64; 0: no prompt rows)")
+    ap.add_argument("--build-family", choices=list(FAMILIES),
+                    help="write and convert a synthetic file of another family's real shapes, print its paths and stop")
     ap.add_argument("--build-relu", action="store_true",
                     help="write and convert the trained-predictor ReLU model (relu_model), print its paths and stop")
     a = ap.parse_args(argv)
+    if a.build_family:
+        print(*family_model(a.build_family, a.cache))
+        return
     if a.build_relu:
         print(*relu_model(a.shape, a.layers, a.cache, float(a.active.split(",")[0])))
         return
