@@ -93,14 +93,19 @@ def _writer(path, shape, n_layer, ffn_act=None):
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     if ffn_act:
         w.add_string("pinfer.feed_forward_activation", ffn_act)
-    tokens, scores, types = spm_vocab(vocab)
+    add_vocab(w, vocab)
+    return w
+
+
+def add_vocab(w, n):
+    """spm_vocab(n) into GGUFWriter w, as llama.cpp's SentencePiece header, BOS 1 and EOS 2."""
+    tokens, scores, types = spm_vocab(n)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    return w
 
 
 def _finish(w, path):
@@ -170,13 +175,7 @@ def write_family_gguf(path, family, seed=0):
     if "window" in f:
         w.add_sliding_window(f["window"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    tokens, scores, types = spm_vocab(f["vocab"])
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_vocab(w, f["vocab"])
     Q = gguf.GGMLQuantizationType.Q4_0
 
     def q4(name, rows, k):
