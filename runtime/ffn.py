@@ -25,7 +25,8 @@ def fused_ffn(model, i):
         return None
     try:
         kernel = layer_kernel(model, i, rule.rule.mode)
-    except ValueError:
+    except ValueError as e:     # a format or shape the kernel lacks: the graph runs it (loading.path_note says why)
+        rule.refusal = str(e)
         return None
     thr = float(rule.threshold) if rule.threshold is not None else 0.0
     pthr = float(rule.pred[3]) if rule.pred is not None else 0.0

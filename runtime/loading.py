@@ -11,6 +11,7 @@ from pinfer.formats import schema as S
 from . import native
 from .autotune import PREFILL_SIZES
 from .ffn import down_projection
+from .options import Note
 from .placement import kernel_refusal
 
 
@@ -119,3 +120,40 @@ def stream_layers(model, n):
         names = [name for name in model.reader.tensors if name.startswith(f"blk.{i}.")]
         run += steps + [functools.partial(model.reader.release, *names)]
     model.steps.run = run
+
+
+class PathNote(Note):
+    """The note of every layer's path (path_note)."""
+
+
+def path_note(model):
+    """Where each layer's attention and FFN run, and why not through pinfer's C kernels where they
+    do not: one line per run of layers alike (said with -v)."""
+    r, cfg, opt = model.reader, model.cfg, model.options
+    lines = []
+    for i in range(cfg.n_layer):
+        if model.native[i] is not None:
+            attn = "C kernels"
+        else:
+            why = ("--dense-kernel off" if opt.dense_kernel == "off" else native.refusal(r, cfg, i)
+                   or "the dense part is not on the CPU in float32")
+            attn = f"ONNX Runtime ({why})"
+        entry = model.ffns[i] if model.ffns else None
+        if entry is not None:
+            ffn = f"fused kernel, {entry.mode}"
+        else:
+            why = (model.rules[i].refusal or kernel_refusal(r, cfg, i)
+                   or ("--ffn-kernel off" if opt.kernels == "off" else "ONNX Runtime's dense path, as the load chose"))
+            ffn = f"ONNX Runtime's graph ({why})"
+        line = f"attention: {attn}; FFN: {ffn}"
+        if lines and lines[-1][1] == line:
+            lines[-1][0][1] = i
+        else:
+            lines.append(([i, i], line))
+    return PathNote("paths:\n" + "\n".join(f"  layer{'s' * (a != b)} {a}{f'-{b}' * (a != b)}: {line}"
+                                            for (a, b), line in lines), quiet=True)
+
+
+def note_paths(model):
+    """The model's notes with its path_note in place of an earlier one (the rules or paths changed)."""
+    model.notes[:] = [n for n in model.notes if not isinstance(n, PathNote)] + [path_note(model)]

@@ -22,7 +22,7 @@ from . import accounting, autotune, native, selfcheck
 from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
-from .loading import drop_graphs, ensure_graphs, load_map, one_copy
+from .loading import drop_graphs, ensure_graphs, load_map, note_paths, one_copy
 from .options import DEFAULT_CTX, RuntimeOptions
 from .sparse import Counters, LayerFfn, LayerRule, Rule
 from .steps import Steps
@@ -93,6 +93,7 @@ class Model:
             self.path_choices = [c for c in chosen if isinstance(c, autotune.PathChoice)]
             self.notes += chosen
         drop_graphs(self)
+        note_paths(self)
 
     def set_active_sets(self, draw, hotness=None):
         """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending

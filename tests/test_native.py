@@ -413,6 +413,9 @@ def test_refused_layers_keep_their_sessions(tmp_path, monkeypatch):
     m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kv_type="f32"))
     assert all(s is None for s in m.native) and m.native_head is None
     assert "LayerNorm" in native.refusal(m.reader, m.cfg, 0) and "LayerNorm" in native.refusal(m.reader, m.cfg)
+    [paths] = [n for n in m.notes if n.describe().startswith("paths:")]    # the reasons, said with -v
+    assert paths.quiet and f"layers 0-{m.cfg.n_layer - 1}: attention: ONNX Runtime (LayerNorm" in paths.describe()
+    assert "FFN: ONNX Runtime's graph (the kernels take gated" in paths.describe(), paths.describe()
     want = _decode(Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", dense_kernel="off",
                                               kv_type="f32")))
     _assert_close_but_for_roundings(_decode(m), want)

@@ -88,6 +88,8 @@ def test_a_layer_the_kernel_refuses_after_all_brings_the_graphs_back(silu_file, 
     m = _load(silu_file, True, monkeypatch)
     assert not m.one_copy and m.ffns[1] is None and all(s is not None for s in m.layers)
     assert not any("the weights once" in n.describe() for n in m.notes)     # no one-copy memory note
+    [paths] = [n.describe() for n in m.notes if n.describe().startswith("paths:")]
+    assert "layer 1: attention: C kernels; FFN: ONNX Runtime's graph (a format the kernel lacks)" in paths, paths
     assert np.isfinite(_run(m)).all()
 
 
