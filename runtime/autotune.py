@@ -120,6 +120,7 @@ def choose_paths(model):
     the faster exact way, rule dropped, the kernel's dense mode only where it is under
     KEEP_BELOW of the graph's. Returns the PathChoice records (then the PrefillChoice, where a
     kernel stays: prompts of up to prefill_by_token tokens take its batch call)."""
+    from . import loading       # here: loading imports this module's PREFILL_SIZES
     groups = {}
     for i, f in enumerate(model.ffns):
         if f is not None:
@@ -138,14 +139,11 @@ def choose_paths(model):
         path = choose_path(rule_r, dense_r)
         choices.append(PathChoice(name, len(layers), len(times), path, rule_r, dense_r, model.threads))
         if path != "kernel":
-            for i in layers:
-                model.rules[i] = LayerRule(model.reader, model.reader.header, i, Rule("dense"), model.counters)
-                model.ffns[i] = model.ffns[i].dense() if path == "kernel-dense" else None
+            loading.run_dense(model, layers, path)
     model.unbind()
     if any(model.ffns):
         return choices + [choose_prefill(model)]
-    if not model.devices.on_device:
-        model.attn = None        # the attention-only sessions go unused
+    loading.drop_attention_sessions(model)
     return choices
 
 

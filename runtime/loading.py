@@ -1,4 +1,6 @@
-"""Loading a model's layers: several at a time, and what loading frees handed back to the system."""
+"""Loading a model's layers: several at a time, and what loading frees handed back to the system;
+and every change of a layer's path after Model builds it (which graphs it keeps, autotune's choices,
+the note that says them): no other module assigns a model's per-layer lists (tests/test_imports.py)."""
 
 import ctypes
 import functools
@@ -13,6 +15,7 @@ from .autotune import PREFILL_SIZES
 from .ffn import down_projection
 from .options import Note
 from .placement import kernel_refusal
+from .sparse import LayerRule, Rule
 
 
 def trim_heap():
@@ -63,6 +66,20 @@ def drop_graphs(model):
         model.downs = [None] * model.cfg.n_layer    # a kernel sharing W_down's rows keeps them (SparseFFN.keep)
     model.reader.release()      # the pages the timing's graph calls read
     trim_heap()
+
+
+def run_dense(model, layers, path):
+    """Layers `layers` dense from now on, as autotune chose: their rule dropped, their FFN the
+    kernel's dense mode (path "kernel-dense") or ONNX Runtime's graph ("dense")."""
+    for i in layers:
+        model.rules[i] = LayerRule(model.reader, model.reader.header, i, Rule("dense"), model.counters)
+        model.ffns[i] = model.ffns[i].dense() if path == "kernel-dense" else None
+
+
+def drop_attention_sessions(model):
+    """Let the attention-only sessions go where no layer decodes through the kernel (on the CPU)."""
+    if not model.devices.on_device:
+        model.attn = None
 
 
 def ensure_graphs(model):

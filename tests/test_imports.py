@@ -97,3 +97,40 @@ def test_functions_classes_and_the_model_stay_small():
                     too_long.append(f"{path.relative_to(ROOT)}:{node.name} ({methods} methods)")
     assert not too_long, "; ".join(too_long)
     assert len((ROOT / "runtime" / "model.py").read_text().splitlines()) <= 250
+
+
+LAYER_LISTS = {"layers", "downs", "attn", "native", "ffns", "rules"}     # a Model's per-layer paths and objects
+PLANNERS = {ROOT / "runtime" / "model.py", ROOT / "runtime" / "loading.py"}
+
+
+def _layer_list_assignments(path):
+    """(line, target) of each assignment in `path` to x.<list> or x.<list>[...] (x not self) for a
+    Model's per-layer lists."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            t = t.value if isinstance(t, ast.Subscript) else t
+            if isinstance(t, ast.Attribute) and t.attr in LAYER_LISTS and not \
+                    (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                out.append((node.lineno, ast.unparse(t)))
+    return out
+
+
+def test_only_the_planner_changes_a_layers_path():
+    """A layer's path is decided where the model is built (runtime/model.py) and changed only by
+    runtime/loading.py (graphs kept or let go, autotune's choices applied, the path note): no other
+    module of the product assigns a model's per-layer lists."""
+    files = [f for pkg in ("runtime", "converter", "cli", "formats") for f in (ROOT / pkg).rglob("*.py")]
+    files += list((ROOT / "pinfer" / "kernels").rglob("*.py"))
+    found = {str(f.relative_to(ROOT)): hits for f in files if f not in PLANNERS and (hits := _layer_list_assignments(f))}
+    assert not found, found
+
+
+def test_the_planner_check_sees_an_assignment(tmp_path):
+    """The check above finds what it looks for (a model's list assigned whole, by index, augmented)."""
+    f = tmp_path / "m.py"
+    f.write_text("def f(model, i):\n    model.ffns[i] = None\n    model.layers = []\n    model.rules += []\n"
+                 "    self.ffns = []\n    a.b = 1\n")
+    assert [t for _, t in _layer_list_assignments(f)] == ["model.ffns", "model.layers", "model.rules"]

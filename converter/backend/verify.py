@@ -29,6 +29,18 @@ def _nll(model, seq):
     return -log_softmax_at(logits[:-1], np.asarray(seq[1:]))
 
 
+def _finite_logits(model, ids):
+    """Run `ids` (a batch call's worth at most) through a mapped model a layer at a time
+    (loading.stream_layers); True, or ValueError where a logit is not finite."""
+    from pinfer.kernels import MAX_BATCH
+    from pinfer.runtime.loading import stream_layers
+    ids = ids[:MAX_BATCH]
+    stream_layers(model, len(ids))
+    if not np.isfinite(model.forward(ids)).all():
+        raise ValueError("verification failed: the converted model produces non-finite logits")
+    return True
+
+
 def verify_output(path, layout):
     from pinfer.runtime.model import Model, RuntimeOptions
     from pinfer.runtime.tokenizer import Tokenizer
@@ -50,14 +62,7 @@ def verify_output(path, layout):
         raise ValueError(f"verification failed: the tokenizer does not round-trip {bad[0]!r}")
 
     if plain:
-        from pinfer.kernels import MAX_BATCH
-        from pinfer.runtime.loading import stream_layers
-        ids = (tok.encode(SAMPLES[0]) or [0])[:MAX_BATCH]
-        stream_layers(model, len(ids))
-        logits = model.forward(ids)
-        if not np.isfinite(logits).all():
-            raise ValueError("verification failed: the converted model produces non-finite logits")
-        checks["finite_logits"] = True
+        checks["finite_logits"] = _finite_logits(model, tok.encode(SAMPLES[0]) or [0])
         _log(f"verify: tokenizer round trip ok, logits finite ({time.perf_counter() - t0:.1f} s)")
         return checks
 
