@@ -14,8 +14,8 @@ is printed beside its measured RSS. An engine that crashes is a row saying so.
 
 Load time depends on the state of free memory. On a virtual machine that hands freed memory back to
 its host (a Firecracker guest here, Linux 6.18), memory idle for about 2 s is faulted in again from
-the host on first touch, and 2 MB pages more slowly than 4 KB ones (3 GB touched after 8 s idle:
-0.37-0.41 GB/s in 2 MB pages, 1.4-1.8 GB/s in 4 KB pages). pinfer copies weights into 2 MB pages
+the host on first touch, and 2 MB pages more slowly than 4 KB ones (benchmarks/page_touch.py: 3 GB
+touched after 8 s idle at 0.39-0.52 GB/s in 2 MB pages, 2.24-2.39 GB/s in 4 KB pages). pinfer copies weights into 2 MB pages
 (faster decode), llama.cpp's repacked copy takes 4 KB pages. Who loads first alternates each round;
 --pause idles the same time before every load of either engine.
 """

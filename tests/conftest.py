@@ -38,3 +38,16 @@ def no_time_budget(monkeypatch):
     a hostile template, and so what its error says, does not depend on how busy the machine is."""
     from pinfer.runtime import chat_template
     monkeypatch.setitem(chat_template.LIMITS, "seconds", float("inf"))
+
+
+def map_rss(reader):
+    """Resident bytes of a PinfReader's map of its file: its entry in /proc/self/smaps (Linux)."""
+    import numpy as np
+    start, inside, total = f"{np.frombuffer(reader._mm, np.uint8).ctypes.data:x}-", False, 0
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:       # a mapping's first line
+            inside = head[0].startswith(start)
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total

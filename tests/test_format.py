@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import map_rss
 
 from pinfer.formats import PinfFormatError, PinfReader, PinfWriter
 from pinfer.formats import schema as S
@@ -67,18 +68,6 @@ def test_own_copies_and_release(tmp_path):
         np.testing.assert_array_equal(own[name], a)
 
 
-def _mapped_rss(path):
-    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5:       # a mapping's first line
-            inside = line.rstrip().endswith(str(path))
-        elif inside and head[0] == "Rss:":
-            total += int(head[1]) * 1024
-    return total
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
 def test_release_of_one_tensor_lets_go_of_its_pages_only(tmp_path):
     """release(name): the pages of that tensor leave the process (a one-copy load lets go of down_t
@@ -95,9 +84,9 @@ def test_release_of_one_tensor_lets_go_of_its_pages_only(tmp_path):
     r = PinfReader(p, schema=False)
     a, b = r.block("a")[1], r.block("b")[1]
     assert int(a["q"].sum()) and int(b["q"].sum())      # touch every page of both
-    before = _mapped_rss(p)
+    before = map_rss(r)
     r.release(*(S.part_name("a", k) for k in a))
-    after = _mapped_rss(p)
+    after = map_rss(r)
     assert before - after >= a["q"].nbytes              # a's pages went (1 MB, page-aligned)
     assert after >= b["q"].nbytes                       # b's stayed
     for parts, want in ((a, big), (b, small)):

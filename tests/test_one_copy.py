@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import map_rss
 
 from pinfer.runtime import accounting, autotune, loading
 from pinfer.runtime.model import Model, RuntimeOptions
@@ -151,18 +152,6 @@ def test_one_copy_holds_each_weight_once(tmp_path):
     assert out[False]["grew"] > bound, (out, bound)
 
 
-def _map_rss(reader):
-    """Resident bytes of the reader's map of its file (its entry in /proc/self/smaps)."""
-    start, inside, total = f"{np.frombuffer(reader._mm, np.uint8).ctypes.data:x}-", False, 0
-    for line in open("/proc/self/smaps"):
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5:       # a mapping's first line
-            inside = head[0].startswith(start)
-        elif inside and head[0] == "Rss:":
-            total += int(head[1]) * 1024
-    return total
-
-
 def test_mmap_reads_the_map_and_gives_the_copies_results(silu_file, monkeypatch):
     """--mmap: the kernels read the file's map (no copy of a layer's weights), and the logits are
     the copies' but for the down projection, which reads down_t (an axpy of h in float32) where the
@@ -195,10 +184,10 @@ def test_streamed_layers_let_each_layer_go_after_it_runs(silu_file, monkeypatch)
                       if n.startswith("blk."))
     plain = _load(silu_file, True, monkeypatch, mmap=True)
     want = plain.forward(IDS[:24], logits_from=0)
-    assert _map_rss(plain.reader) >= layer_bytes
+    assert map_rss(plain.reader) >= layer_bytes
     m = _load(silu_file, True, monkeypatch, mmap=True)
     loading.stream_layers(m, 24)
     got = m.forward(IDS[:24], logits_from=0)
     np.testing.assert_array_equal(got, want)
     others = m.reader.size - layer_bytes            # the head, embedding and norms may stay
-    assert _map_rss(m.reader) <= others, (_map_rss(m.reader), others, layer_bytes)
+    assert map_rss(m.reader) <= others, (map_rss(m.reader), others, layer_bytes)
