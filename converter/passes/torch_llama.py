@@ -95,11 +95,17 @@ class Rotary:
         return torch.cat([out, rest], dim=-1)
 
 
-def attention(h, w, cfg, rotary):
-    """h (B, T, d) residual stream -> h + causal self-attention(h)."""
+def _same(name, x):
+    return x
+
+
+def attention(h, w, cfg, rotary, tap=_same):
+    """h (B, T, d) residual stream -> h + causal self-attention(h). tap(name, x) sees (and may
+    replace) the input of the q/k/v projections ("qkv") and of the output projection ("o"):
+    activation sparsity's calibration and its reference (converter/passes/activation.py)."""
     B, T, _ = h.shape
     hd, bias = cfg.head_dim, w.bias.get
-    x = norm(h, w.attn_norm, bias("attn_norm_bias"), cfg)
+    x = tap("qkv", norm(h, w.attn_norm, bias("attn_norm_bias"), cfg))
     q = _linear(x, w.wq, bias("attn_q_bias")).view(B, T, cfg.n_head, hd).transpose(1, 2)
     k = _linear(x, w.wk, bias("attn_k_bias")).view(B, T, cfg.n_head_kv, hd).transpose(1, 2)
     v = _linear(x, w.wv, bias("attn_v_bias")).view(B, T, cfg.n_head_kv, hd).transpose(1, 2)
@@ -122,7 +128,7 @@ def attention(h, w, cfg, rotary):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    o = _linear(o.transpose(1, 2).reshape(B, T, cfg.n_head * hd), w.wo, bias("attn_output_bias"))
+    o = _linear(tap("o", o.transpose(1, 2).reshape(B, T, cfg.n_head * hd)), w.wo, bias("attn_output_bias"))
     if "attn_post_norm" in w.bias:
         o = rms_norm(o, bias("attn_post_norm"), cfg.norm_eps)
     return h + o

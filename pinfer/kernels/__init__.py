@@ -27,6 +27,8 @@ def _load():
     lib.pinfer_untranspose_q.restype = None
     lib.pinfer_sparse_isa.argtypes = [c_int]
     lib.pinfer_sparse_isa.restype = c_int
+    lib.pinfer_cols.argtypes = [c_int, p, p, p, i64, i64, p, ctypes.c_float, p, p, p, c_int]
+    lib.pinfer_cols.restype = i64
     for fn in ("pinfer_attn_call", "pinfer_head_call"):
         getattr(lib, fn).argtypes = [p]
         getattr(lib, fn).restype = c_int
@@ -72,7 +74,7 @@ class _Library:
 
     def __getattr__(self, name):
         lib = _load()
-        for fn in ("pinfer_down", "pinfer_untranspose_q", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa", "pinfer_attn_call",
+        for fn in ("pinfer_down", "pinfer_cols", "pinfer_untranspose_q", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa", "pinfer_attn_call",
                    "pinfer_attn_batch", "pinfer_head_call", "pinfer_head_rows", "pinfer_attn_work", "pinfer_head_work"):
             setattr(self, fn, getattr(lib, fn))
         return getattr(lib, name)
@@ -135,6 +137,26 @@ class DownProjection:
         args = (self.code, *self._w, h.ctypes.data, y.ctypes.data, S, self.n_ff, self.d, self.threads)
         f = _lib.pinfer_down
         return lambda: f(*args)
+
+
+class Columns:
+    """The column-skipping GEMV of activation sparsity: y (d) = the sum over the inputs j with
+    |x[j]| >= threshold, ascending, of x[j] * row j of w_t (n, d), the weight stored input-major in
+    one of SPARSE_DOWN (as down_t is). A dropped input is a row not read."""
+
+    def __init__(self, fmt, parts, n, d, threads=1):
+        if d % 32 or n % 32:
+            raise ValueError(f"the column kernel needs multiples of 32, not {n} x {d}")
+        self.code, self._w = _parts(SPARSE_DOWN, fmt, parts, n, d, "w_t")
+        self.parts, self.n, self.d, self.threads = parts, n, d, threads
+        self.idx, self.val = np.empty(n, np.int32), np.empty(n, np.float32)
+
+    def __call__(self, x, y, threshold=0.0):
+        """y = the kept inputs' rows summed; returns how many inputs were kept."""
+        _check(x, np.float32, (self.n,), "x")
+        _check(y, np.float32, (self.d,), "y")
+        return _lib.pinfer_cols(self.code, *self._w, self.n, self.d, x.ctypes.data, float(threshold), y.ctypes.data,
+                                self.idx.ctypes.data, self.val.ctypes.data, self.threads)
 
 
 def untranspose_r(fmt, parts, empty=np.empty):

@@ -869,7 +869,26 @@ static void axpy_scaled_q4r_avx512(float *p, const uint8_t *const *q, const floa
                                    const uint16_t *mn, float vsum, int64_t ng, const uint8_t *const *next,
                                    int n_next) {
     const __m128i low4 = _mm_set1_epi8(15);
-    for (int64_t g = 0; g < ng; g++) {
+    int64_t g = 0;
+    /* four groups of columns at a time (a cache line of each row): eight independent sums, where
+       one group's two would wait on the FMA's latency; each column's sum keeps its order */
+    for (; g + 4 <= ng; g += 4) {
+        for (int r = 0; r < n_next; r++) _mm_prefetch((const char *)(next[r] + 16 * g), _MM_HINT_T0);
+        __m512 lo[4], hi[4];
+        for (int k = 0; k < 4; k++) lo[k] = hi[k] = _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const __m512 ag = _mm512_set1_ps(v[r]);
+            for (int k = 0; k < 4; k++) {
+                const __m128i w = _mm_loadu_si128((const __m128i *)(q[r] + 16 * (g + k)));
+                lo[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(w, low4))), ag, lo[k]);
+                hi[k] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(w, 4), low4))), ag, hi[k]);
+            }
+        }
+        for (int k = 0; k < 4; k++)
+            scale_add_group(p + G * (g + k), lo[k], hi[k], sc + G * (g + k), mn ? mn + G * (g + k) : NULL, vsum);
+    }
+    for (; g < ng; g++) {
         if (g % 4 == 0)
             for (int r = 0; r < n_next; r++) _mm_prefetch((const char *)(next[r] + 16 * g), _MM_HINT_T0);
         __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
@@ -1377,6 +1396,144 @@ static void down_one(void *p, int64_t t0, int64_t t1) {
         else memset(a->y + g0 * G, 0xff, (size_t)nc * sizeof(float));  /* NaN: never silently wrong */
         free(scratch);
     }
+}
+
+#ifdef PINFER_X86
+/* The column kernel's q4r path on AVX-512 VNNI: the kept inputs of one group of 32 (one scale per
+   column) quantized to int8 (their amax / 127, as x for the row dots), four rows at a time
+   transposed in registers so that vpdpbusd sums each column's four nibbles times the four
+   inputs exactly in int32; the group's sums are scaled once into p (nibble order, as
+   axpy_scaled_q4r_avx512's). rows: R (a multiple of 4) row pointers at this range's columns, xq
+   their int8 inputs packed four to an int32. */
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
+static void cols_q4r_vnni(float *p, const uint8_t *const *rows, const int32_t *xq, int R, float xs, float vsum,
+                          const uint16_t *sc, const uint16_t *mn, int64_t ng, const uint8_t *const *next, int n_next) {
+    const __m512i dwords = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const __m512 s = _mm512_set1_ps(xs);
+    int64_t g = 0;
+    for (; g < ng; g += 4) {
+        const int K = ng - g < 4 ? (int)(ng - g) : 4;
+        for (int r = 0; r < n_next; r++) _mm_prefetch((const char *)(next[r] + 16 * g), _MM_HINT_T0);
+        __m512i e[4], o[4];
+        for (int k = 0; k < 4; k++) e[k] = o[k] = _mm512_setzero_si512();
+        for (int r = 0; r < R; r += 4) {
+            const __m512i xb = _mm512_set1_epi32(xq[r / 4]);
+            for (int k = 0; k < K; k++) {
+                const int64_t at = 16 * (g + k);
+                __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[r] + at)));
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[r + 1] + at)), 1);
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[r + 2] + at)), 2);
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[r + 3] + at)), 3);
+                /* byte b of each of the four rows side by side: dword b holds column 2b's nibbles
+                   (low) and column 2b + 1's (high) of rows r..r+3 */
+                v = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, v), bytes);
+                e[k] = _mm512_dpbusd_epi32(e[k], _mm512_and_si512(v, low4), xb);
+                o[k] = _mm512_dpbusd_epi32(o[k], _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), xb);
+            }
+        }
+        for (int k = 0; k < K; k++)
+            scale_add_group(p + G * (g + k), _mm512_mul_ps(_mm512_cvtepi32_ps(e[k]), s),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(o[k]), s), sc + G * (g + k), mn ? mn + G * (g + k) : NULL,
+                            vsum);
+    }
+}
+#endif
+
+/* Range t of a column call: columns [t * per, (t + 1) * per) groups of 32 of y. */
+typedef struct {
+    const ffn_t *f;
+    const int32_t *idx;
+    const float *val;
+    int64_t s, per;
+    float *y;
+} cols_work_t;
+
+static void cols_one(void *p, int64_t t0, int64_t t1) {
+    const cols_work_t *w = p;
+    const ffn_t *f = w->f;
+    const int64_t d = f->d, ng = d / G;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t g0 = t * w->per, g1 = g0 + w->per < ng ? g0 + w->per : ng;
+        if (g0 >= g1) continue;
+        const int64_t c0 = g0 * G, nc = (g1 - g0) * G;
+        float *scratch = malloc((size_t)(2 * nc + nc / G + AXPY_ROWS * (MAX_D / G)) * sizeof(float) + (size_t)nc / 2);
+        if (!scratch) {
+            memset(w->y + c0, 0xff, (size_t)nc * sizeof(float));  /* NaN: never silently wrong */
+            continue;
+        }
+#ifdef PINFER_X86
+        if (f->down_fmt == FMT_Q4R && isa == ISA_AVX512) {
+            float *acc = scratch;
+            uint8_t *zero = (uint8_t *)(scratch + 2 * nc + nc / G + AXPY_ROWS * (MAX_D / G));
+            memset(acc, 0, (size_t)nc * sizeof(float));
+            memset(zero, 0, (size_t)nc / 2);
+            for (int64_t k = 0; k < w->s;) {
+                const int64_t grp = w->idx[k] / G;
+                int64_t e = k;
+                float amax = 0.0f;
+                for (; e < w->s && w->idx[e] / G == grp; e++) amax = fmaxf(amax, fabsf(w->val[e]));
+                const float xs = amax / 127.0f, inv = xs > 0.0f ? 1.0f / xs : 0.0f;
+                const uint8_t *rows[G];
+                int8_t q8[G];
+                int32_t quads[G / 4], isum = 0;
+                int R = 0;
+                for (; R < e - k; R++) {
+                    rows[R] = (const uint8_t *)f->dn_q + (int64_t)w->idx[k + R] * (d / 2) + c0 / 2;
+                    q8[R] = (int8_t)lrintf(w->val[k + R] * inv);
+                    isum += q8[R];
+                }
+                for (; R % 4; R++) {
+                    rows[R] = zero;
+                    q8[R] = 0;
+                }
+                memcpy(quads, q8, (size_t)R);
+                const uint8_t *next[G];     /* the next group's rows, fetched meanwhile */
+                int n_next = 0;
+                for (int64_t e2 = e; e2 < w->s && w->idx[e2] / G == w->idx[e] / G; e2++)
+                    next[n_next++] = (const uint8_t *)f->dn_q + (int64_t)w->idx[e2] * (d / 2) + c0 / 2;
+                cols_q4r_vnni(acc, rows, quads, R, xs, xs * (float)isum, f->dn_scale + grp * d + c0,
+                              f->dn_min ? f->dn_min + grp * d + c0 : NULL, nc / G, next, n_next);
+                k = e;
+            }
+            down_cols_finish(f, acc, NULL, w->y, c0, c0 + nc);
+            free(scratch);
+            continue;
+        }
+#endif
+        down_cols(f, w->idx, w->val, w->s, w->y, c0, c0 + nc, scratch, scratch + 2 * nc, scratch + nc,
+                  (float (*)[MAX_D / G])(scratch + 2 * nc + nc / G));
+        free(scratch);
+    }
+}
+
+/* Column-skipping GEMV (activation sparsity: converter/passes/activation.py): y (d) = the sum over
+   the inputs j with |x[j]| >= thr, in ascending j, of x[j] * row j of w_t (n, d), w_t in one of the
+   down_t formats (the transposed weight: input-major, so a dropped input skips a whole row). idx
+   and val: scratch of n. Returns the inputs kept, or -1 when a size is unsupported. thr 0 keeps
+   every nonzero input. Output columns are split between threads; each is summed by one. On
+   AVX-512 q4r's kept inputs meet the rows as int8 (per group of 32 inputs, as x meets the row
+   dots); elsewhere as floats. */
+int64_t pinfer_cols(int fmt, const void *q, const uint16_t *scale, const uint16_t *min, int64_t n, int64_t d,
+                    const float *x, float thr, float *y, int32_t *idx, float *val, int threads) {
+    if (d % G || n % G || d <= 0 || n <= 0 || d > MAX_D || fmt == FMT_Q8R || fmt == FMT_Q5 ||
+        (fmt != FMT_F16 && fmt != FMT_F32 && !scale))
+        return -1;
+    if (isa < 0) pinfer_sparse_isa(-1);
+    int64_t s = 0;
+    for (int64_t j = 0; j < n; j++)
+        if (fabsf(x[j]) >= thr && x[j] != 0.0f) {
+            idx[s] = (int32_t)j;
+            val[s++] = x[j];
+        }
+    const ffn_t f = {.down_fmt = fmt, .dn_q = q, .dn_scale = scale, .dn_min = min, .d = d};
+    const int t = pinfer_pool_enter(threads);
+    const int t_dn = s * d >= PARALLEL_WORK ? t : 1;
+    cols_work_t w = {.f = &f, .idx = idx, .val = val, .s = s, .per = (d / G + t_dn - 1) / t_dn, .y = y};
+    pinfer_parallel(t_dn, t_dn, cols_one, &w);
+    pinfer_pool_leave(threads);
+    return s;
 }
 
 /* One token's FFN: y = down(rule(act(gate) * up)) over the neurons the mode computes. Returns 0, or

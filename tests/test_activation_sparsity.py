@@ -1,0 +1,130 @@
+"""Training-free activation sparsity (issue 40): the column-skipping kernel (kernels.Columns) against
+NumPy at every instruction set, and the PyTorch reference of converter/passes/activation.py against
+the calibration model's own layer."""
+
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pinfer.formats import blocks
+from pinfer.kernels import Columns, sparse_isa
+
+BEST = sparse_isa()
+FORMATS = ("q4r", "q4", "q8", "f16", "f32")
+
+
+def weight(fmt, n, d, rng):
+    if fmt == "q4r":
+        return {"q": rng.integers(0, 256, (n, d // 2), np.uint8), "scale": (rng.random((n // 32, d)) * 0.01).astype(np.float16)}
+    if fmt == "q4":
+        return {"q": rng.integers(0, 256, (n, d // 2), np.uint8), "scale": (rng.random((n, d // 32)) * 0.01).astype(np.float16),
+                "min": (rng.random((n, d // 32)) * -0.05).astype(np.float16)}
+    if fmt == "q8":
+        return {"q": rng.integers(0, 256, (n, d), np.uint8), "scale": (rng.random((n, d // 32)) * 0.01).astype(np.float16)}
+    return {"w": rng.standard_normal((n, d)).astype(np.float16 if fmt == "f16" else np.float32)}
+
+
+def int8_bound(fmt, x, keep, W):
+    """Per output, how far int8 inputs can move it: half a step of each kept input's group times |w|."""
+    if fmt != "q4r" or sparse_isa() != "avx512":
+        return 0.0
+    xk = np.where(keep, np.abs(x), 0).reshape(-1, 32)
+    half_step = np.repeat(xk.max(1) / 127 / 2, 32)
+    return (np.where(keep, half_step, 0) @ np.abs(W)) * 1.001
+
+
+@pytest.fixture
+def each_isa():
+    yield
+    sparse_isa(BEST)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_columns_sum_the_kept_rows_as_numpy_does(fmt, isa, each_isa):
+    if sparse_isa(isa) != isa:
+        pytest.skip(f"this CPU has no {isa} path (its best: {BEST})")
+    rng = np.random.default_rng(3)
+    n, d = 512, 1024        # kept rows x d over PARALLEL_WORK: two threads split the columns
+    parts = weight(fmt, n, d, rng)
+    W = blocks.dequantize(fmt, parts).reshape(n, d).astype(np.float64)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[::7] = 0.0            # a zero input is never read, whatever the threshold
+    out = {}
+    for level in (0.0, 0.4, 0.9):
+        t = float(np.quantile(np.abs(x), level)) if level else 0.0
+        keep = (np.abs(x) >= t) & (x != 0)
+        ref = np.where(keep, x, 0).astype(np.float64) @ W
+        for threads in (1, 2):
+            c = Columns(fmt, parts, n, d, threads)
+            y = np.full(d, np.nan, np.float32)
+            assert c(x, y, t) == keep.sum()
+            assert np.array_equal(c.idx[:keep.sum()], np.flatnonzero(keep))     # the survivors, ascending
+            # float32 sums of up to 512 terms: relative error well under 1e-5 of the largest output;
+            # where the kept inputs meet the rows as int8 (q4r on AVX-512: per group of 32, amax / 127,
+            # rounded) each input may be off by half a step, each output by the sum of those times |w|
+            tol = 1e-5 * np.abs(ref).max() + int8_bound(fmt, x, keep, W)
+            assert np.all(np.abs(y - ref) <= tol), (np.abs(y - ref) / tol).max()
+            out[(level, threads)] = y.copy()
+        # every output element is summed by one thread in ascending input order: the same bits
+        assert np.array_equal(out[(level, 1)], out[(level, 2)])
+
+
+def test_columns_refuse_what_they_cannot_read():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        Columns("q4r", weight("q4r", 64, 32, rng), 64, 40)
+    with pytest.raises(ValueError, match="the kernels take"):
+        Columns("q5", {}, 64, 64)
+    c = Columns("q4r", weight("q4r", 64, 64, rng), 64, 64)
+    with pytest.raises(ValueError, match="x: expected"):
+        c(np.zeros(32, np.float32), np.zeros(64, np.float32))
+
+
+def _source(gguf):
+    from pinfer.converter.convert import ConvertOptions, _front_end
+    with tempfile.TemporaryDirectory() as d:
+        return _front_end(ConvertOptions(source=str(gguf), output=str(Path(d) / "x.pinf")))
+
+
+def test_the_reference_is_the_calibration_model_and_drops_what_it_says(silu_gguf):
+    torch = pytest.importorskip("torch")
+    from pinfer.converter.passes import activation as A
+    from pinfer.converter.passes import calib_data
+    from pinfer.converter.passes import calibrate
+    from pinfer.converter.passes import torch_llama as TL
+    from pinfer.runtime.tokenizer import Tokenizer
+    fe = _source(silu_gguf)
+    src, names, cfg = fe.src, fe.roles, fe.cfg
+    cs = calib_data.build(Tokenizer.from_spec(fe.tokenizer), None, 64, 4096, 256)
+    evaluated = cs.heldout[:4]
+    configs = [A.Config("dense", {}), A.Config("all 0.5", {p: 0.5 for p in A.PROJECTIONS}),
+               A.Config("down 0.5", {"down": 0.5})]
+    embed, head = TL.Embedding(src, names), TL.Head(src, names, cfg)
+    thresholds, res = A.run(src, names, cfg, cs.train, evaluated, configs, embed, head)
+
+    # dense: the calibration model's own layer (attention, FFN input and hidden, down), no tap
+    rot = TL.Rotary(cfg, evaluated.shape[1])
+    with torch.no_grad():
+        h = embed(evaluated)
+        for i in range(cfg.n_layer):
+            w = TL.load_layer(src, names, i)
+            res_h, _, hact = calibrate.forward_ffn(h, w, cfg, rot)
+            h = res_h + TL.ffn_output(hact @ w.down.T, w, cfg)
+        first = evaluated.shape[1] // 2
+        targets = torch.from_numpy(np.ascontiguousarray(evaluated[:, first + 1:]).reshape(-1))
+        nll = float(head.nll(h[:, first:-1].reshape(-1, cfg.d_model), targets).mean())
+    # the same PyTorch operations in the same order on the same inputs: equal but for the last bits
+    assert math.isclose(res["dense"][0], nll, rel_tol=1e-6)
+    assert all(v == 0 for v in res["dense"][1].values())
+    # thresholds rise with the level; the held-out text drops near the calibrated share
+    for per in thresholds:
+        assert all(0 < per[p][0.5] for p in A.PROJECTIONS)
+    dropped = res["all 0.5"][1]
+    assert all(0.3 < dropped[p] < 0.7 for p in A.PROJECTIONS), dropped
+    assert res["down 0.5"][1]["qkv"] == 0 and 0.3 < res["down 0.5"][1]["down"] < 0.7
+    # dropping inputs moves the loss
+    assert res["all 0.5"][0] != res["dense"][0]
