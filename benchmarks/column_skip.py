@@ -3,7 +3,7 @@ today) against activation sparsity's column skipping (kernels.Columns over the i
 gate|up transposed to (d_model, 2 n_ff) and down_t (n_ff, d_model), both q4r, groups of 32 inputs)
 at several shares of inputs dropped, in one process, alternating.
 
-    python benchmarks/column_skip.py [--shape 7b] [--threads 1,2] [--levels 0,0.3,0.4,0.5] [--rounds 5]
+    python benchmarks/column_skip.py [--shape 7b|13b|smollm2] [--threads 1,2] [--levels 0,0.3,0.4,0.5] [--isa avx2]
 
 Weights are random bytes (the byte counts, not the values, set a kernel's time; the inputs dropped
 are chosen by a magnitude threshold over a random x, so the share is what the threshold says).
@@ -22,7 +22,7 @@ import numpy as np
 
 from pinfer.kernels import Columns, SparseFFN, sparse_isa
 
-SHAPES = {"7b": (4096, 11008), "13b": (5120, 13824)}
+SHAPES = {"smollm2": (576, 1536), "7b": (4096, 11008), "13b": (5120, 13824)}
 
 
 def q4r(n, d, rng):
@@ -57,7 +57,11 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--isa", choices=("avx512", "avx2", "portable"), default=None,
+                    help="force the kernels' instruction set (both paths), as the tests do")
     a = ap.parse_args(argv)
+    if a.isa and sparse_isa(a.isa) != a.isa:
+        raise SystemExit(f"this CPU has no {a.isa} path")
     rng = np.random.default_rng(0)
     d, n = SHAPES[a.shape]
     levels = [float(v) for v in a.levels.split(",")]
