@@ -1502,15 +1502,22 @@ static void cols_one(void *p, int64_t t0, int64_t t1) {
         const int64_t g0 = t * w->per, g1 = g0 + w->per < ng ? g0 + w->per : ng;
         if (g0 >= g1) continue;
         const int64_t c0 = g0 * G, nc = (g1 - g0) * G;
-        float *scratch = malloc((size_t)(2 * nc + nc / G + AXPY_ROWS * (MAX_D / G)) * sizeof(float) + (size_t)nc / 2);
+#ifdef PINFER_X86
+        const int fast = f->down_fmt == FMT_Q4R && (isa == ISA_AVX512 || isa == ISA_AVX2);
+#else
+        const int fast = 0;
+#endif
+        /* the int8 paths need the sums and a zero row; a 7B gate|up's under malloc's mmap threshold */
+        float *scratch = malloc(fast ? (size_t)nc * sizeof(float) + (size_t)nc / 2
+                                     : (size_t)(2 * nc + nc / G + AXPY_ROWS * (MAX_D / G)) * sizeof(float));
         if (!scratch) {
             memset(w->y + c0, 0xff, (size_t)nc * sizeof(float));  /* NaN: never silently wrong */
             continue;
         }
 #ifdef PINFER_X86
-        if (f->down_fmt == FMT_Q4R && (isa == ISA_AVX512 || isa == ISA_AVX2)) {
+        if (fast) {
             float *acc = scratch;
-            uint8_t *zero = (uint8_t *)(scratch + 2 * nc + nc / G + AXPY_ROWS * (MAX_D / G));
+            uint8_t *zero = (uint8_t *)(scratch + nc);
             memset(acc, 0, (size_t)nc * sizeof(float));
             memset(zero, 0, (size_t)nc / 2);
             for (int64_t k = 0; k < w->s;) {
