@@ -2,7 +2,7 @@
 
     python benchmarks/smollm2_vs_llamacpp.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --llama-python .venv-llama/bin/python [--q4-0] [--pinf converted.pinf] [--threads 1,2]
-        [--tokens 128] [--repeats 5] [--isa avx2]
+        [--tokens 128] [--repeats 5] [--isa avx2] [--activation 0,0.2]
 
 Any llama-family GGUF goes: the 7B-shaped one of benchmarks/synthetic_decode.py too
 (--model ~/.cache/pinfer/synthetic/synthetic-7b-32L.Q4_0.gguf --pinf ...32L.Q4_0.pinf --tokens 16).
@@ -111,20 +111,24 @@ def q4_0_of(gguf, py):
 
 
 def measure(pinf, gguf, threads, a):
-    """(pinfer tok/s runs, llama.cpp tok/s runs, MB read per token, FFN rows read (gate/up, down))
-    of one model at one thread count. A file with sparse rules runs them, its predictors' reads and
-    time included; the rows read are the last run's decode steps'."""
-    model = Model(pinf, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
-    ours, theirs, llama = [], [], None
+    """({activation level: (pinfer tok/s runs, MB read per token, FFN rows read (gate/up, down))},
+    llama.cpp tok/s runs) of one model at one thread count, pinfer once per --activation level
+    (0: the file's own rules), all in turn with llama.cpp. A file with sparse rules runs them, its
+    predictors' reads and time included; the rows read are the last run's decode steps'."""
+    models = {lv: Model(pinf, RuntimeOptions(threads=threads, n_ctx=512, device="cpu", activation=lv,
+                                             **({"kernels": "on", "sparsity": "dense"} if lv else {})))
+              for lv in a.activation}
+    runs, theirs, llama = {lv: [] for lv in models}, [], None
     try:
         llama = engines.LlamaWorker(a.llama_python, gguf, threads)
     except engines.EngineFailed as e:
         theirs = str(e)             # the row says so; pinfer's runs go on alone
     try:
-        feed = text_ids(model, 5 + a.tokens) if a.feed_text else None
-        pinfer_decode(model, 16)         # warm-up; llama.cpp's worker warmed itself up
+        feed = text_ids(models[a.activation[0]], 5 + a.tokens) if a.feed_text else None
+        for model in models.values():
+            pinfer_decode(model, 16)     # warm-up; llama.cpp's worker warmed itself up
         for r in range(a.repeats):
-            sides = [lambda: ours.append(pinfer_decode(model, a.tokens, feed))]
+            sides = [lambda lv=lv: runs[lv].append(pinfer_decode(models[lv], a.tokens, feed)) for lv in models]
             if isinstance(theirs, list):
                 sides.append(lambda: theirs.append(llama.decode(a.tokens)))
             for side in sides[::-1] if r % 2 else sides:
@@ -133,11 +137,12 @@ def measure(pinf, gguf, threads, a):
                     side()
                 except engines.EngineFailed as e:
                     theirs = str(e)
-        return ours, theirs, model.weight_bytes_per_token() / 1e6, model.counters.read_fractions()
+        return {lv: (runs[lv], m.weight_bytes_per_token() / 1e6, m.counters.read_fractions())
+                for lv, m in models.items()}, theirs
     finally:
         if llama is not None:
             llama.close()
-        model = None
+        models = None
         gc.collect()    # the model's bound steps hold it in cycles: a 7B one must go before the next loads
 
 
@@ -159,7 +164,12 @@ def main(argv=None):
     ap.add_argument("--feed-text", action="store_true",
                     help="pinfer's steps take wikitext-2 test tokens, not its argmax (a sparse file's rows read "
                          "depend on the tokens)")
+    ap.add_argument("--activation", default="0", metavar="S[,S...]",
+                    help="pinfer runs the file once per level, in turn with the others and llama.cpp: 0 its own "
+                         "rules, S > 0 activation sparsity S through the column kernels (the file needs its "
+                         "calibrated thresholds)")
     a = ap.parse_args(argv)
+    a.activation = [float(x) for x in a.activation.split(",")]
     if a.isa:
         kernels.sparse_isa(a.isa)
     if a.repeats < 5:
@@ -184,16 +194,18 @@ def main(argv=None):
                 with contextlib.redirect_stderr(io.StringIO()):
                     convert(ConvertOptions(gguf, pinf, passes=DENSE))
             for t in threads:
-                ours, theirs, mb, (gu, down) = measure(pinf, gguf, t, a)
-                o = statistics.median(ours)
-                bound = bandwidth[t] / (mb * 1e6)
-                if isinstance(theirs, str):     # llama.cpp failed: its cell says how
-                    llama_cell, ratio = f"failed: {theirs}", "—"
-                else:
-                    l = statistics.median(theirs)
-                    llama_cell, ratio = f"{l:.1f} ({min(theirs):.1f}-{max(theirs):.1f})", f"{o / l:.2f}x"
-                print(f"| {gguf.name} | {t} | {o:.1f} ({min(ours):.1f}-{max(ours):.1f}) | {llama_cell} | {ratio} "
-                      f"| {rows_read(gu, down)} | {mb:.1f} | {bound:.0f} | {o / bound:.0%} |", flush=True)
+                sides, theirs = measure(pinf, gguf, t, a)
+                for lv, (ours, mb, (gu, down)) in sides.items():
+                    o = statistics.median(ours)
+                    bound = bandwidth[t] / (mb * 1e6)
+                    if isinstance(theirs, str):     # llama.cpp failed: its cell says how
+                        llama_cell, ratio = f"failed: {theirs}", "—"
+                    else:
+                        l = statistics.median(theirs)
+                        llama_cell, ratio = f"{l:.1f} ({min(theirs):.1f}-{max(theirs):.1f})", f"{o / l:.2f}x"
+                    name = gguf.name + (f", activation sparsity {lv:g}" if lv else "")
+                    print(f"| {name} | {t} | {o:.1f} ({min(ours):.1f}-{max(ours):.1f}) | {llama_cell} | {ratio} "
+                          f"| {rows_read(gu, down)} | {mb:.1f} | {bound:.0f} | {o / bound:.0%} |", flush=True)
 
 
 if __name__ == "__main__":

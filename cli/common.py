@@ -74,6 +74,10 @@ def placement_options(f):
                      help="Read the weights from the file's map (the page cache, shared and evictable, as "
                           "llama.cpp does) instead of copies in huge pages: a faster load and less memory of "
                           "pinfer's own, a slower decode.")(f)
+    f = click.option("--activation-sparsity", "activation", type=float, default=0.0, show_default=True, metavar="S",
+                     help="Drop the share S of each FFN input by magnitude (thresholds the converter calibrated, "
+                          "e.g. 0.2): the FFN runs by columns and reads only the rows of the inputs it keeps. "
+                          "0: off.")(f)
     f = click.option("--vram-budget", type=float, default=None, metavar="GIB",
                      help="GiB of VRAM the GPU part may use (default: free VRAM minus 0.5 GiB); the plan is "
                           "printed at load.")(f)
@@ -91,7 +95,8 @@ def runtime_config(kw):
                           kernels=kw.get("ffn_kernel") or "auto", device=kw.get("device") or "auto",
                           vram_budget=kw.get("vram_budget"), dense_device=kw.get("dense_device") or "cpu",
                           dense_kernel=kw.get("dense_kernel") or "on", kv_type=kw.get("kv_type") or "f16",
-                          mmap=bool(kw.get("mmap")), verbose=bool(ctx and verbose(ctx)))
+                          mmap=bool(kw.get("mmap")), activation=kw.get("activation") or 0.0,
+                          verbose=bool(ctx and verbose(ctx)))
 
 
 def sampling_options(f):

@@ -39,11 +39,15 @@ from .common import fail_cleanly, verbose
 @click.option("--no-early-check", is_flag=True,
               help="With --sparsity auto, calibrate fully even where a quick sample shows no sparse point can "
                    "decode faster than dense on this machine (by default the dense file is written at once).")
+@click.option("--activation-thresholds", is_flag=True,
+              help="With --sparsity none, record each layer's activation sparsity thresholds from a dense pass "
+                   "over the calibration text (for pinfer run --activation-sparsity S), and nothing else of "
+                   "calibration. Calibrated conversions record them anyway.")
 @click.option("--no-verify", is_flag=True, help="Skip reloading and checking the output.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (memory, disk, formats) and stop.")
 @click.pass_context
 def command(ctx, source, output, force, sparsity, max_ppl_increase, calib, calib_tokens, heldout_tokens,
-            quant, order, target_vram, calib_device, seed, no_early_check, no_verify, dry_run):
+            quant, order, target_vram, calib_device, seed, no_early_check, activation_thresholds, no_verify, dry_run):
     """Convert a GGUF model, or a Hugging Face folder (config.json, *.safetensors, tokenizer.json), into a .pinf file."""
     import signal
 
@@ -54,7 +58,7 @@ def command(ctx, source, output, force, sparsity, max_ppl_increase, calib, calib
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     passes = PassOptions(sparsity=sparsity, max_ppl_increase=max_ppl_increase, calib=calib,
                          calib_tokens=calib_tokens, heldout_tokens=heldout_tokens, order=order, seed=seed,
-                         early_check=not no_early_check, calib_device=calib_device)
+                         early_check=not no_early_check, calib_device=calib_device, activation=activation_thresholds)
     with fail_cleanly(verbose(ctx)):
         out = convert(ConvertOptions(source=source, output=output, force=force, passes=passes, quant=quant,
                                      target_vram_gib=target_vram, dry_run=dry_run, verify=not no_verify))

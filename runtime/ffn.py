@@ -2,9 +2,11 @@
 or the hybrid of the plan's hot neurons on the GPU and the rest on the CPU), and the down
 projection the ONNX path uses (MatMulNBits, pinfer's DownProjection, or a --quant mixed split)."""
 
+import numpy as np
+
 from pinfer.formats import schema as S
 from pinfer.formats.reader import huge_empty
-from pinfer.kernels import DownProjection, untranspose_r
+from pinfer.kernels import ColumnFFN, DownProjection, transpose_gate_up, untranspose_r
 
 from . import hybrid
 from .placement import kernel_refusal
@@ -19,6 +21,8 @@ def fused_ffn(model, i):
     formats or shapes the kernel lacks; --quant mixed splits."""
     rule, r, cfg, on_device = model.rules[i], model.reader, model.cfg, model.devices.on_device
     hot = model.plan.hot[i] if model.plan else 0
+    if model.options.activation:
+        return column_ffn(model, i, model.options.activation)
     fused = model.use_kernels != "off" or hot or on_device   # the GPU's decode has no other FFN path
     graph_dense = rule.rule.mode == "dense" and (model.use_kernels == "on" or not times_dense(model, i))
     if not fused or (graph_dense and not hot and not on_device) or kernel_refusal(r, cfg, i):
@@ -31,6 +35,33 @@ def fused_ffn(model, i):
     thr = float(rule.threshold) if rule.threshold is not None else 0.0
     pthr = float(rule.pred[3]) if rule.pred is not None else 0.0
     return LayerFfn(kernel, rule.rule.mode, thr, pthr)
+
+
+def column_ffn(model, i, level):
+    """Layer i's FFN by columns at activation sparsity `level` (RuntimeOptions.activation): its
+    gate/up rows transposed into their own copy (the map's pages let go), down_t read as it is.
+    Raises ValueError, one sentence, where the layer or the options cannot run so."""
+    r, cfg, opt, rule = model.reader, model.cfg, model.options, model.rules[i]
+    if opt.kernels == "off" or model.devices.ffn != "cpu" or model.devices.on_device:
+        raise ValueError("activation sparsity runs through pinfer's CPU kernels; drop --ffn-kernel off and "
+                         "run the FFN on the CPU (--device cpu)")
+    if rule.rule.mode not in ("dense", "down"):
+        raise ValueError(f"activation sparsity replaces the dense and down rules, not {rule.rule.name}; "
+                         "pass --sparsity dense with it")
+    info = r.header["layers"][i] if i < len(r.header["layers"]) else {}
+    key, tx = f"{level:g}", info.get("input_thresholds", {}).get("gate_up", {})
+    th = info.get("input_thresholds", {}).get("down", {})   # the down projection's given gate/up's
+    if key not in tx or key not in th:
+        have = ", ".join(k for k in tx if k in th) or "none"
+        raise ValueError(f"layer {i} has no thresholds for activation sparsity {key} (calibrated: {have}); "
+                         "convert the model with calibration (e.g. --sparsity down:0.3) to record them")
+    base = S.FFN_GATE_UP.format(i)
+    fmt, parts = r.block(base)
+    gate_up_t = transpose_gate_up(fmt, parts, cfg.n_ff, cfg.d_model, empty=huge_empty)
+    r.release(*(S.part_name(base, p) for p in parts))
+    down = r.block(S.FFN_DOWN_T.format(i), own=True)
+    kernel = ColumnFFN(gate_up_t, down, cfg.n_ff, cfg.d_model, cfg.ffn_act, model.threads, float(tx[key]))
+    return LayerFfn(kernel, "down", np.float32(th[key]))
 
 
 # Timing a dense layer's kernel needs the attention-only sessions, a second copy of the attention

@@ -61,6 +61,9 @@ def drop_graphs(model):
     attention and gate/up and the ONNX path's down projections: the trained ReLU 7B-shaped model then
     holds 6.2 GB after load, not 12.0 (2 threads, n_ctx 512). ensure_graphs makes them again, before
     any timing or new kernels (Model._place), which take the graphs and the rows they share."""
+    if model.options.activation and all(s is not None for s in model.native) and all(model.ffns):
+        model.prefill_by_token = PREFILL_SIZES[-1]      # activation sparsity has no graph: prompts by the kernels
+        model.unbind()
     if all(s is not None for s in model.native) and all(model.ffns) and model.batches(PREFILL_SIZES[-1]):
         model.layers = [None] * model.cfg.n_layer
         model.downs = [None] * model.cfg.n_layer    # a kernel sharing W_down's rows keeps them (SparseFFN.keep)
@@ -157,7 +160,8 @@ def path_note(model):
             attn = f"ONNX Runtime ({why})"
         entry = model.ffns[i] if model.ffns else None
         if entry is not None:
-            ffn = f"fused kernel, {entry.mode}"
+            ffn = (f"columns, activation sparsity {opt.activation:g}" if opt.activation and entry.mode != "dense"
+                   else f"fused kernel, {entry.mode}")
         else:
             why = (model.rules[i].refusal or kernel_refusal(r, cfg, i)
                    or ("--ffn-kernel off" if opt.kernels == "off" else "ONNX Runtime's dense path, as the load chose"))

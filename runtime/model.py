@@ -70,7 +70,7 @@ class Model:
         self.attention.bind(self.layers)
         # decode's attention and head through pinfer's C kernels where they cover the layer (native.py)
         ok = options.dense_kernel == "on" and dv.act_at == "cpu" and dv.act_dtype == np.float32
-        self.native = native.attention_steps(r, cfg, self.threads, self.load_map) if ok else [None] * cfg.n_layer
+        self.native = native.attention_steps(r, cfg, self.threads, self.load_map, options.activation) if ok else [None] * cfg.n_layer
         self.native_head = native.head(r, cfg, self.threads) if ok else None
         dv.loaded(self.attention.kv_bytes)
         self._head_shape = None  # the row count the head's buffers are bound for
@@ -138,8 +138,8 @@ class Model:
 
     @property
     def sparsity_names(self):
-        """The distinct rules the layers run, e.g. ["down:0.3"]."""
-        return sorted({rule.rule.name for rule in self.rules})
+        """The distinct rules the layers run, e.g. ["down:0.3"] (or the activation sparsity)."""
+        return [f"activation:{self.options.activation:g}"] if self.options.activation else sorted({r.rule.name for r in self.rules})
 
     # -- binding and routing ---------------------------------------------------------------------
     def bind_activations(self, n):

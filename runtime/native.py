@@ -8,7 +8,8 @@ graphs, which fill the same KV cache; --dense-kernel off keeps every step there.
 import numpy as np
 
 from pinfer.formats import schema as S
-from pinfer.kernels import MAX_BATCH
+from pinfer.formats.reader import huge_empty
+from pinfer.kernels import MAX_BATCH, transpose_q4
 from pinfer.kernels.decode import LINEAR_FORMATS, AttentionStep, HeadStep
 
 
@@ -29,18 +30,22 @@ def refusal(reader, cfg, i=None):
     return None if fmts <= set(LINEAR_FORMATS) else f"attention weights in {sorted(map(str, fmts))}"
 
 
-def attention_steps(reader, cfg, threads, load_map):
+def attention_steps(reader, cfg, threads, load_map, activation=0.0):
     """Per layer an AttentionStep, or None where refusal() says why not, made by load_map (the
     model's: several layers at a time). The steps read their own copies of the weights
-    (PinfReader.release says why)."""
+    (PinfReader.release says why); with activation sparsity (RuntimeOptions.activation) the q/k/v
+    and output projections by columns, transposed (columns())."""
     def optional(name):
         return reader.tensor(name) if name in reader.tensors else None
 
     def step(i):
         if refusal(reader, cfg, i):
             return None
+        qkv, out = (columns(reader, cfg, i, activation) if activation else
+                    ((reader.block(S.ATTN_QKV.format(i), own=True), None),
+                     (reader.block(S.ATTN_OUT.format(i), own=True), None)))
         return AttentionStep(
-            reader.block(S.ATTN_QKV.format(i), own=True), reader.block(S.ATTN_OUT.format(i), own=True),
+            qkv[0], out[0],
             reader.tensor(S.ATTN_NORM.format(i)), reader.tensor(S.FFN_NORM.format(i)),
             n_head=cfg.n_head, n_kv=cfg.n_head_kv, head_dim=cfg.head_dim, rot=cfg.rotary_dim,
             interleaved=cfg.rope_interleaved, eps=cfg.norm_eps, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
@@ -48,8 +53,29 @@ def attention_steps(reader, cfg, threads, load_map):
             down_bias=optional(S.FFN_DOWN_BIAS.format(i)), q_norm=optional(S.ATTN_Q_NORM.format(i)),
             k_norm=optional(S.ATTN_K_NORM.format(i)), post_norm=optional(S.ATTN_POST_NORM.format(i)),
             delta_norm=optional(S.FFN_POST_NORM.format(i - 1)) if i else None,
-            window=window(cfg, i), threads=threads)
+            window=window(cfg, i), threads=threads, qkv_t=qkv[1], out_t=out[1])
     return load_map(step, cfg.n_layer)
+
+
+def columns(reader, cfg, i, level):
+    """Layer i's ((qkv's rows or None, its transpose and threshold or None), the same of the output
+    projection) for activation sparsity `level`: each q4 projection transposed into its own copy (the map's
+    pages let go), the other formats by rows. Raises ValueError where the file has no thresholds."""
+    info = reader.header["layers"][i] if i < len(reader.header["layers"]) else {}
+    key, out = f"{level:g}", []
+    for base, proj, rows, k in ((S.ATTN_QKV.format(i), "qkv", (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim,
+                                 cfg.d_model), (S.ATTN_OUT.format(i), "o", cfg.d_model, cfg.n_head * cfg.head_dim)):
+        thr = info.get("input_thresholds", {}).get(proj, {}).get(key)
+        if thr is None:
+            raise ValueError(f"layer {i} has no thresholds of its {proj} input for activation sparsity {key}; "
+                             "convert the model with calibration (e.g. --sparsity down:0.3) to record them")
+        fmt, parts = reader.block(base)
+        if fmt != "q4":
+            out.append((reader.block(base, own=True), None))
+            continue
+        out.append((None, (*transpose_q4(fmt, parts, rows, k, huge_empty, base), float(thr))))
+        reader.release(*(S.part_name(base, p) for p in parts))
+    return out
 
 
 class Head:

@@ -48,6 +48,11 @@ class RuntimeOptions:
     # (benchmarks/memory.py --mmap): load 0.05 s against 1.05-6.54 s, RSS after load 0.08 GB against
     # 3.94, decode 4.87 against 6.84 tok/s.
     mmap: bool = False
+    # Activation sparsity (0: off): the share S of each FFN input dropped by magnitude, at the
+    # thresholds the converter calibrated per layer (header layers[i] input_thresholds[S] for the
+    # FFN's input, thresholds[S] for the down projection's): the layer runs by columns
+    # (kernels.ColumnFFN over gate|up transposed at load), reading the rows of the inputs it keeps.
+    activation: float = 0.0
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -62,6 +67,9 @@ class RuntimeOptions:
             raise ValueError(f"KV cache type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.vram_budget is not None and not self.vram_budget >= 0:
             raise ValueError(f"--vram-budget {self.vram_budget:g} GiB is negative; give the GiB the GPU may use")
+        if not 0.0 <= self.activation < 1.0:
+            raise ValueError(f"activation sparsity {self.activation:g} is not a share of inputs from 0 (off) "
+                             "to below 1, e.g. 0.3")
         if self.n_ctx < 0 or self.threads < 0:
             raise ValueError("the context size and the thread count are 0 (the default) or more")
 

@@ -29,6 +29,8 @@ def _load():
     lib.pinfer_sparse_isa.restype = c_int
     lib.pinfer_cols.argtypes = [c_int, p, p, p, i64, i64, p, ctypes.c_float, p, p, p, c_int]
     lib.pinfer_cols.restype = i64
+    lib.pinfer_cols_ffn.argtypes = [p]
+    lib.pinfer_cols_ffn.restype = c_int
     for fn in ("pinfer_attn_call", "pinfer_head_call"):
         getattr(lib, fn).argtypes = [p]
         getattr(lib, fn).restype = c_int
@@ -48,7 +50,7 @@ def abi():
     out.update({f"act.{a}": c for c, a in enumerate(ACTIVATIONS)})
     out.update({f"rule.{r}": c for r, c in RULES.items()})
     structs = {"ffn_call_t": _Call, "rows_t": _Rows, "linear_t": decode._Linear, "attn_call_t": decode._AttnCall,
-               "head_call_t": decode._HeadCall}
+               "head_call_t": decode._HeadCall, "cols_ffn_t": _ColsFfn}
     out.update({f"sizeof.{name}": ctypes.sizeof(t) for name, t in structs.items()})
     out["max_batch"] = MAX_BATCH
     return out
@@ -74,7 +76,7 @@ class _Library:
 
     def __getattr__(self, name):
         lib = _load()
-        for fn in ("pinfer_down", "pinfer_cols", "pinfer_untranspose_q", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa", "pinfer_attn_call",
+        for fn in ("pinfer_down", "pinfer_cols", "pinfer_cols_ffn", "pinfer_untranspose_q", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa", "pinfer_attn_call",
                    "pinfer_attn_batch", "pinfer_head_call", "pinfer_head_rows", "pinfer_attn_work", "pinfer_head_work"):
             setattr(self, fn, getattr(lib, fn))
         return getattr(lib, name)
@@ -157,6 +159,88 @@ class Columns:
         _check(y, np.float32, (self.d,), "y")
         return _lib.pinfer_cols(self.code, *self._w, self.n, self.d, x.ctypes.data, float(threshold), y.ctypes.data,
                                 self.idx.ctypes.data, self.val.ctypes.data, self.threads)
+
+
+class _ColsFfn(ctypes.Structure):
+    """cols_ffn_t of pinfer/kernels/csrc/ffn_sparse.c."""
+    _fields_ = [(name, t) for names, t in (
+        (("act", "gu_fmt", "dn_fmt"), ctypes.c_int),
+        (("gu_q", "gu_scale", "gu_min", "dn_q", "dn_scale", "dn_min"), ctypes.c_void_p),
+        (("n", "d"), ctypes.c_int64), (("x", "y"), ctypes.c_void_p), (("thr_x", "thr_h"), ctypes.c_float),
+        (("gu", "h", "idx", "val", "counts"), ctypes.c_void_p), (("threads",), ctypes.c_int)) for name in names]
+
+
+class ColumnFFN:
+    """One layer's FFN by columns (activation sparsity): the inputs of x under thr_x skip their rows
+    of gate_up_t (d_model, 2 n_ff: neuron j's gate in column 2j, its up in 2j + 1, as
+    transpose_gate_up makes it), the neurons whose |act(gate) * up| is under the bound threshold
+    skip their rows of down_t. Both weights in a down_t format (SPARSE_DOWN). bind() as SparseFFN's:
+    its callable returns (the gate/up rows' worth read: n_ff times the share of x kept, the neurons
+    kept)."""
+
+    def __init__(self, gate_up_t, down, n_ff, d, act="silu", threads=1, thr_x=0.0):
+        if d % 32 or n_ff % 32 or 2 * n_ff > MAX_D or d > MAX_D:
+            raise ValueError(f"the column FFN needs multiples of 32 up to {MAX_D // 2} neurons, not {n_ff} x {d}")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"the column FFN takes the activations {', '.join(ACTIVATIONS)}, not {act}")
+        self.gu_code, self.gu = _parts(SPARSE_DOWN, *gate_up_t, d, 2 * n_ff, "gate_up_t")
+        self.dn_code, self.dn = _parts(SPARSE_DOWN, *down, n_ff, d, "down_t")
+        self.n_ff, self.d, self.act, self.threads, self.thr_x = n_ff, d, ACTIVATIONS.index(act), threads, float(thr_x)
+        self.keep = (gate_up_t, down)
+        self.scratch = np.empty(5 * n_ff, np.float32)   # g|u interleaved, g, u, then h
+        self.idx, self.val = np.empty(max(2 * n_ff, d), np.int32), np.empty(max(2 * n_ff, d), np.float32)
+        self.counts = np.zeros(2, np.int64)
+
+    def bind(self, x, y, mode="down", threshold=0.0, pred_threshold=0.0):
+        for a, name in ((x, "x"), (y, "y")):
+            _check(a, np.float32, (self.d,), name)
+        h = self.scratch[4 * self.n_ff:]
+        dense = mode == "dense"      # every input and neuron: the column kernel's dense mode
+        call = _ColsFfn(self.act, self.gu_code, self.dn_code, *self.gu, *self.dn, self.n_ff, self.d, x.ctypes.data,
+                        y.ctypes.data, 0.0 if dense else self.thr_x, 0.0 if dense else float(threshold), self.scratch.ctypes.data, h.ctypes.data,
+                        self.idx.ctypes.data, self.val.ctypes.data, self.counts.ctypes.data, self.threads)
+        ref, f, counts, n, d = ctypes.byref(call), _lib.pinfer_cols_ffn, self.counts, self.n_ff, self.d
+
+        def run():
+            if f(ref):
+                raise ValueError("the column FFN kernel refused its sizes")
+            return int(counts[0]) * n // d, int(counts[1])
+        run.keep = (call, x, y, self)
+        return run
+
+    def bind_batch(self, x, y, mode="down", threshold=0.0, pred_threshold=0.0):
+        """Each token's row by its own single call (the bits of decode); returns the summed counts."""
+        runs = [self.bind(x[t], y[t], mode, threshold) for t in range(x.shape[0])]
+
+        def run():
+            run.counts[:] = [r() for r in runs]
+            return sum(c for c, _ in run.counts), sum(k for _, k in run.counts)
+        run.counts = []         # each token's (gate/up rows' worth read, neurons kept), as SparseFFN's
+        return run
+
+
+def transpose_q4(fmt, parts, rows, k, empty=np.empty, what="weight"):
+    """A q4 weight (rows, k), groups along k, as W^T (k, rows) in q4r (groups of 32 of its rows),
+    exactly, for the column kernels: the nibble transpose of untranspose_r in the other direction,
+    and the scales' and mins' plain transposes. Raises ValueError for other formats."""
+    if fmt != "q4":
+        raise ValueError(f"{what} in {fmt}: the column kernels transpose q4 weights only")
+    _parts(("q4",), fmt, {p: a.reshape(rows, -1) for p, a in parts.items()}, rows, k, what)
+    q = empty((k, rows // 2), np.uint8)
+    # the nibble matrix (rows, k) -> (k, rows): what pinfer_untranspose_q does for a q4r (n, d)
+    _lib.pinfer_untranspose_q(FORMAT_CODES["q4r"], parts["q"].ctypes.data, q.ctypes.data, rows, k)
+    out = {"q": q}
+    for p in ("scale", "min"):
+        if p in parts:
+            out[p] = empty((k // S.GROUP, rows), parts[p].dtype)
+            out[p][...] = parts[p].reshape(rows, k // S.GROUP).T
+    return "q4r", out
+
+
+def transpose_gate_up(fmt, parts, n_ff, d, empty=np.empty):
+    """A q4 gate_up bundle (n_ff, 2, d) as the column FFN's gate_up_t (d, 2 n_ff) in q4r: neuron j's
+    gate in column 2j, its up in 2j + 1 (transpose_q4 of its 2 n_ff rows)."""
+    return transpose_q4(fmt, parts, 2 * n_ff, d, empty, "gate_up")
 
 
 def untranspose_r(fmt, parts, empty=np.empty):

@@ -7,7 +7,7 @@ import numpy as np
 
 from pinfer.formats import schema as S
 
-from . import MAX_BATCH, _check, _lib, _parts
+from . import MAX_BATCH, SPARSE_DOWN, _check, _lib, _parts
 
 LINEAR_FORMATS = ("q4", "q5", "q8", "f16", "f32")
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -19,6 +19,11 @@ class _Linear(ctypes.Structure):
                 ("rows", I64), ("k", I64)]
 
 
+class _Cols(ctypes.Structure):
+    """cols_t of dots.h: a weight by columns, or q None."""
+    _fields_ = [("fmt", ctypes.c_int), ("q", P), ("scale", P), ("min", P), ("thr", F32)]
+
+
 class _AttnCall(ctypes.Structure):
     """attn_call_t of decode.c."""
     _fields_ = [("qkv", _Linear), ("out", _Linear), ("attn_norm", P), ("ffn_norm", P), ("down_bias", P),
@@ -27,7 +32,8 @@ class _AttnCall(ctypes.Structure):
         [(n, P) for n in ("k_cache", "v_cache", "cos", "sin", "total")] + [("back", I64)] + \
         [(n, P) for n in ("resid", "delta", "resid_out", "x_out", "work")] + [("threads", ctypes.c_int),
                                                                              ("kv_f16", ctypes.c_int)] + \
-        [(n, P) for n in ("q_norm", "k_norm", "post_norm", "delta_norm")] + [("window", I64)]
+        [(n, P) for n in ("q_norm", "k_norm", "post_norm", "delta_norm")] + [("window", I64)] + \
+        [("qkv_c", _Cols), ("out_c", _Cols)]
 
 
 class _HeadCall(ctypes.Structure):
@@ -57,6 +63,20 @@ def linear(weight, rows, k, bias=None, what="weight"):
     return _Linear(code, q, scale, mn, ptr(qh), ptr(bias), rows, k), (parts, bias)
 
 
+def columns(weight_t, rows, k, bias=None, what="weight"):
+    """(a shape-only _Linear: the rows, k and bias the kernel counts, no weights; the checked _Cols
+    of W^T (k, rows), the inputs under |thr| dropped; the arrays they point into). weight_t:
+    (fmt, parts, thr), fmt one of kernels.SPARSE_DOWN."""
+    fmt, parts, thr = weight_t
+    code, (q, scale, mn) = _parts(SPARSE_DOWN, fmt, parts, k, rows, f"{what} by columns")
+    if rows % S.GROUP or k % S.GROUP or not np.isfinite(thr) or thr < 0:
+        raise ValueError(f"{what} by columns: {k} x {rows} with threshold {thr} (multiples of {S.GROUP}, "
+                         "a finite threshold of 0 or more)")
+    bias = _vector(bias, rows, f"{what} bias")
+    return (_Linear(0, None, None, None, None, None if bias is None else bias.ctypes.data, rows, k),
+            _Cols(code, q, scale, mn, float(thr)), (parts, bias))
+
+
 def _buffer(a, n, what, dtype=np.float32):
     if a.dtype != dtype or not a.flags.c_contiguous or a.size != n:
         raise ValueError(f"{what}: expected {n} contiguous {np.dtype(dtype)} values, got {a.dtype} {a.shape}")
@@ -70,11 +90,12 @@ class AttentionStep:
 
     def __init__(self, qkv, out, attn_norm, ffn_norm, *, n_head, n_kv, head_dim, rot, interleaved, eps,
                  scale=0.0, softcap=0.0, qkv_bias=None, out_bias=None, down_bias=None, q_norm=None, k_norm=None,
-                 post_norm=None, delta_norm=None, window=0, threads=1):
+                 post_norm=None, delta_norm=None, window=0, threads=1, qkv_t=None, out_t=None):
         """q_norm, k_norm (head_dim): per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3);
         post_norm (d): RMSNorm of the attention's output (Gemma); delta_norm (d): RMSNorm of delta before
         it joins resid (the previous layer's post-FFN norm, Gemma); window: attend to the last `window`
-        positions at most (0: all)."""
+        positions at most (0: all). qkv_t, out_t: (fmt, parts, threshold) of the projection
+        transposed, run by columns (activation sparsity) in place of qkv's or out's rows (then None)."""
         d = len(attn_norm)
         if window < 0:
             raise ValueError(f"an attention window of {window} positions")
@@ -82,8 +103,15 @@ class AttentionStep:
             raise ValueError(f"{n_head} heads over {n_kv} kv heads with RoPE over {rot} of {head_dim} dims "
                              "is not a shape the attention kernel takes")
         n_qkv = (n_head + 2 * n_kv) * head_dim
-        self.qkv, keep_qkv = linear(qkv, n_qkv, d, qkv_bias, "attn_qkv")
-        self.out, keep_out = linear(out, d, n_head * head_dim, out_bias, "attn_output")
+        self.cols = [_Cols(), _Cols()]
+        if qkv_t is None:
+            self.qkv, keep_qkv = linear(qkv, n_qkv, d, qkv_bias, "attn_qkv")
+        else:
+            self.qkv, self.cols[0], keep_qkv = columns(qkv_t, n_qkv, d, qkv_bias, "attn_qkv")
+        if out_t is None:
+            self.out, keep_out = linear(out, d, n_head * head_dim, out_bias, "attn_output")
+        else:
+            self.out, self.cols[1], keep_out = columns(out_t, d, n_head * head_dim, out_bias, "attn_output")
         self.norms = tuple(_vector(v, d, name) for v, name in ((attn_norm, "attn_norm"), (ffn_norm, "ffn_norm"),
                                                               (down_bias, "ffn_down bias")))
         self.extra = tuple(_vector(v, n, name) for v, n, name in (
@@ -140,7 +168,8 @@ class AttentionStep:
                          _buffer(total, 1, "total", np.int32), back,
                          *(_buffer(a, nt * d, name) for a, name in ((resid, "resid"), (delta, "delta"),
                                                                     (resid_out, "resid_out"), (x_out, "x_out"))),
-                         None, self.threads, int(kv == np.float16), *(ptr(v) for v in self.extra), self.window)
+                         None, self.threads, int(kv == np.float16), *(ptr(v) for v in self.extra), self.window,
+                         *self.cols)
         ref = ctypes.byref(call)
         need = _lib.pinfer_attn_work(ref, nt)
         if len(self.work) < need:       # calls bound before keep the smaller buffer they point into

@@ -62,6 +62,9 @@ typedef struct {
     const float *post_norm;             /* (d) RMSNorm weights of the attention's output, or NULL */
     const float *delta_norm;            /* (d) RMSNorm weights of delta before it joins resid, or NULL */
     int64_t window;                     /* attend to the last `window` positions at most; 0: all */
+    /* activation sparsity: the q/k/v and output projections by columns (their inputs under thr
+       dropped), in place of qkv's and out's rows (whose bias, rows and k still count); q NULL: rows */
+    cols_t qkv_c, out_c;
 } attn_call_t;
 
 typedef struct {
@@ -258,6 +261,17 @@ static void linear(const linear_t *w, const float *x, float *y, int64_t nt, floa
     }
     lin_t l = {w, qx, x, y, nt, isa};
     pinfer_parallel(nt * w->rows * w->k >= PARALLEL_WORK ? threads : 1, (w->rows + 3) / 4, lin_rows, &l);
+}
+
+/* linear() by columns: each token's kept inputs times their rows of c (shape and bias w's);
+   scratch: w->k int32 and w->k floats. */
+static void cols_linear(const cols_t *c, const linear_t *w, const float *x, float *y, int64_t nt, float *scratch,
+                        int threads) {
+    for (int64_t t = 0; t < nt; t++) {
+        pinfer_cols_run(c, w->k, w->rows, x + t * w->k, y + t * w->rows, (int32_t *)scratch, scratch + w->k, threads);
+        if (w->bias)
+            for (int64_t r = 0; r < w->rows; r++) y[t * w->rows + r] += w->bias[r];
+    }
 }
 
 /* -- norms, RoPE, attention ---------------------------------------------------------------------- */
@@ -512,7 +526,7 @@ static int64_t kmax(const attn_call_t *a) { return a->d > a->out.k ? a->d : a->o
 /* Floats of scratch a layer's call over nt tokens takes: per token x, qkv, the heads' output and
    quantized x; the scores of one token's heads. */
 int64_t pinfer_attn_work(const attn_call_t *a, int64_t nt) {
-    return nt * (kmax(a) + a->qkv.rows + a->out.k + qx_floats(kmax(a))) + a->n_head * a->n_ctx;
+    return nt * (kmax(a) + a->qkv.rows + a->out.k + qx_floats(kmax(a))) + a->n_head * a->n_ctx + 2 * kmax(a);
 }
 
 /* Floats of scratch the head's call over nt rows takes: per row the sum, its norm and quantized x. */
@@ -550,7 +564,7 @@ static void rope_store(const attn_call_t *a, float *qkv, int64_t pos) {
 static void attn_tokens(const attn_call_t *a, int64_t nt, int64_t pos0, int threads, int isa) {
     const int64_t d = a->d, hd = a->hd, km = kmax(a);
     float *x = a->work, *qkv = x + nt * km, *att = qkv + nt * a->qkv.rows, *scores = att + nt * a->out.k;
-    float *qbuf = scores + a->n_head * a->n_ctx;
+    float *qbuf = scores + a->n_head * a->n_ctx, *cbuf = qbuf + nt * qx_floats(km);
     for (int64_t t = 0; t < nt; t++) {
         float *r = a->resid_out + t * d;
         const float *dt = a->delta + t * d;
@@ -561,14 +575,16 @@ static void attn_tokens(const attn_call_t *a, int64_t nt, int64_t pos0, int thre
         for (int64_t i = 0; i < d; i++) r[i] = a->resid[t * d + i] + dt[i];
         rms_norm(r, a->attn_norm, a->eps, d, x + t * d);
     }
-    linear(&a->qkv, x, qkv, nt, qbuf, threads, isa);
+    if (a->qkv_c.q) cols_linear(&a->qkv_c, &a->qkv, x, qkv, nt, cbuf, threads);
+    else linear(&a->qkv, x, qkv, nt, qbuf, threads, isa);
     for (int64_t t = 0; t < nt; t++) rope_store(a, qkv + t * a->qkv.rows, pos0 + t);
     for (int64_t t = 0; t < nt; t++) {
         const int64_t pos = pos0 + t;
         heads_t h = {a, qkv + t * a->qkv.rows, att + t * a->out.k, scores, pos + 1, isa};
         pinfer_parallel(a->n_head * (pos + 1) * hd >= PARALLEL_WORK / 4 ? threads : 1, a->n_head, heads, &h);
     }
-    linear(&a->out, att, x, nt, qbuf, threads, isa);
+    if (a->out_c.q) cols_linear(&a->out_c, &a->out, att, x, nt, cbuf, threads);
+    else linear(&a->out, att, x, nt, qbuf, threads, isa);
     for (int64_t t = 0; t < nt; t++) {
         float *r = a->resid_out + t * d;
         if (a->post_norm) rms_norm(x + t * d, a->post_norm, a->eps, d, x + t * d);

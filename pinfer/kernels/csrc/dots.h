@@ -154,6 +154,18 @@ float pinfer_dot_f16(const uint16_t *w, const float *x, int64_t d);
 void pinfer_quantize_natural(const float *x, int64_t d, qx_t *o);
 float pinfer_dot_q8(const uint8_t *q, const uint16_t *scale, const qx_t *x, int64_t k, int isa, const uint8_t *next);
 float pinfer_dot_f32(const float *w, const float *x, int64_t d);
+/* A weight by columns (activation sparsity): W^T (inputs, outputs) input-major in a down_t format
+   (ffn_sparse.c), the inputs under |thr| dropped; q NULL: none. */
+typedef struct {
+    int fmt;
+    const void *q;
+    const uint16_t *scale, *min;
+    float thr;
+} cols_t;
+/* y (d) = the kept inputs of x (n) times their rows of c, inside a pool bracket (ffn_sparse.c's
+   pinfer_cols without entering the pool); idx and val: scratch of n. Returns the inputs kept. */
+int64_t pinfer_cols_run(const cols_t *c, int64_t n, int64_t d, const float *x, float *y, int32_t *idx, float *val,
+                        int threads);
 /* decode.c's part of pinfer_abi (ffn_sparse.c): the sizes of its structs, or -1. */
 int64_t pinfer_decode_abi(const char *name);
 

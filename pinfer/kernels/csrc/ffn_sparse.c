@@ -1561,32 +1561,92 @@ static void cols_one(void *p, int64_t t0, int64_t t1) {
     }
 }
 
-/* Column-skipping GEMV (activation sparsity: converter/passes/activation.py): y (d) = the sum over
-   the inputs j with |x[j]| >= thr, in ascending j, of x[j] * row j of w_t (n, d), w_t in one of the
-   down_t formats (the transposed weight: input-major, so a dropped input skips a whole row). idx
-   and val: scratch of n. Returns the inputs kept, or -1 when a size is unsupported. thr 0 keeps
-   every nonzero input. Output columns are split between threads; each is summed by one. On
-   AVX-512 q4r's kept inputs meet the rows as int8 (per group of 32 inputs, as x meets the row
-   dots); elsewhere as floats. */
-int64_t pinfer_cols(int fmt, const void *q, const uint16_t *scale, const uint16_t *min, int64_t n, int64_t d,
-                    const float *x, float thr, float *y, int32_t *idx, float *val, int threads) {
-    if (d % G || n % G || d <= 0 || n <= 0 || d > MAX_D || fmt == FMT_Q8R || fmt == FMT_Q5 ||
-        (fmt != FMT_F16 && fmt != FMT_F32 && !scale))
-        return -1;
-    if (isa < 0) pinfer_sparse_isa(-1);
+/* The kept inputs of x (|x[j]| >= thr, nonzero; ascending) into idx/val, then y = their rows of
+   f's down_t-format weight summed, columns split between `threads` (inside the pool's bracket).
+   Returns the inputs kept. */
+static int64_t cols_run(const ffn_t *f, const float *x, int64_t n, float thr, float *y, int32_t *idx, float *val,
+                        int threads) {
     int64_t s = 0;
     for (int64_t j = 0; j < n; j++)
         if (fabsf(x[j]) >= thr && x[j] != 0.0f) {
             idx[s] = (int32_t)j;
             val[s++] = x[j];
         }
+    const int t = s * f->d >= PARALLEL_WORK ? threads : 1;
+    cols_work_t w = {.f = f, .idx = idx, .val = val, .s = s, .per = (f->d / G + t - 1) / t, .y = y};
+    pinfer_parallel(t, t, cols_one, &w);
+    return s;
+}
+
+int64_t pinfer_cols_run(const cols_t *c, int64_t n, int64_t d, const float *x, float *y, int32_t *idx, float *val,
+                        int threads) {
+    const ffn_t f = {.down_fmt = c->fmt, .dn_q = c->q, .dn_scale = c->scale, .dn_min = c->min, .d = d};
+    return cols_run(&f, x, n, c->thr, y, idx, val, threads);
+}
+
+static int cols_ok(int fmt, const void *scale, int64_t n, int64_t d) {
+    return !(d % G || n % G || d <= 0 || n <= 0 || d > MAX_D || fmt == FMT_Q8R || fmt == FMT_Q5 ||
+             (fmt != FMT_F16 && fmt != FMT_F32 && !scale));
+}
+
+/* Column-skipping GEMV (activation sparsity: converter/passes/activation.py): y (d) = the sum over
+   the inputs j with |x[j]| >= thr, in ascending j, of x[j] * row j of w_t (n, d), w_t in one of the
+   down_t formats (the transposed weight: input-major, so a dropped input skips a whole row). idx
+   and val: scratch of n. Returns the inputs kept, or -1 when a size is unsupported. thr 0 keeps
+   every nonzero input. Output columns are split between threads; each is summed by one. On
+   AVX-512 and AVX2 q4r's kept inputs meet the rows as int8 (per group of 32 inputs, as x meets
+   the row dots); elsewhere as floats. */
+int64_t pinfer_cols(int fmt, const void *q, const uint16_t *scale, const uint16_t *min, int64_t n, int64_t d,
+                    const float *x, float thr, float *y, int32_t *idx, float *val, int threads) {
+    if (!cols_ok(fmt, scale, n, d)) return -1;
+    if (isa < 0) pinfer_sparse_isa(-1);
     const ffn_t f = {.down_fmt = fmt, .dn_q = q, .dn_scale = scale, .dn_min = min, .d = d};
     const int t = pinfer_pool_enter(threads);
-    const int t_dn = s * d >= PARALLEL_WORK ? t : 1;
-    cols_work_t w = {.f = &f, .idx = idx, .val = val, .s = s, .per = (d / G + t_dn - 1) / t_dn, .y = y};
-    pinfer_parallel(t_dn, t_dn, cols_one, &w);
+    const int64_t s = cols_run(&f, x, n, thr, y, idx, val, t);
     pinfer_pool_leave(threads);
     return s;
+}
+
+/* One token's FFN by columns (activation sparsity): g, u = the kept inputs of x (|x| >= thr_x) times
+   their rows of gate_up_t (d, 2n: neuron j's gate in column 2j, its up in 2j + 1, the transpose of
+   the gate_up bundle's rows), h = act(g) * u where |h| >= thr_h, y = the kept h times their rows of
+   down_t (n, d). Both weights in a down_t format. counts out: [inputs of x kept, neurons kept].
+   gu (4n), h (n), idx and val (max(2n, d)): scratch. */
+typedef struct {
+    int act, gu_fmt, dn_fmt;
+    const void *gu_q;
+    const uint16_t *gu_scale, *gu_min;
+    const void *dn_q;
+    const uint16_t *dn_scale, *dn_min;
+    int64_t n, d;
+    const float *x;
+    float *y;
+    float thr_x, thr_h;
+    float *gu, *h;
+    int32_t *idx;
+    float *val;
+    int64_t *counts;
+    int threads;
+} cols_ffn_t;
+
+int pinfer_cols_ffn(const cols_ffn_t *a) {
+    if (!cols_ok(a->gu_fmt, a->gu_scale, a->d, 2 * a->n) || !cols_ok(a->dn_fmt, a->dn_scale, a->n, a->d)) return -1;
+    if (isa < 0) pinfer_sparse_isa(-1);
+    const ffn_t gu = {.down_fmt = a->gu_fmt, .dn_q = a->gu_q, .dn_scale = a->gu_scale, .dn_min = a->gu_min,
+                      .d = 2 * a->n};
+    const ffn_t dn = {.down_fmt = a->dn_fmt, .dn_q = a->dn_q, .dn_scale = a->dn_scale, .dn_min = a->dn_min,
+                      .d = a->d};
+    const int t = pinfer_pool_enter(a->threads);
+    a->counts[0] = cols_run(&gu, a->x, a->d, a->thr_x, a->gu, a->idx, a->val, t);
+    float *g = a->gu + 2 * a->n, *u = g + a->n;
+    for (int64_t j = 0; j < a->n; j++) {
+        g[j] = a->gu[2 * j];
+        u[j] = a->gu[2 * j + 1];
+    }
+    rules(a->act, g, u, a->n, MODE_DOWN, a->thr_h, a->h);
+    a->counts[1] = cols_run(&dn, a->h, a->n, 0.0f, a->y, a->idx, a->val, t);
+    pinfer_pool_leave(a->threads);
+    return 0;
 }
 
 /* One token's FFN: y = down(rule(act(gate) * up)) over the neurons the mode computes. Returns 0, or
@@ -1952,7 +2012,7 @@ int64_t pinfer_abi(const char *name) {
         {"act.silu", ACT_SILU}, {"act.relu", ACT_RELU}, {"act.gelu", ACT_GELU},
         {"rule.all", RULE_ALL}, {"rule.threshold", RULE_THRESHOLD}, {"rule.nonzero", RULE_NONZERO},
         {"sizeof.ffn_call_t", sizeof(ffn_call_t)}, {"sizeof.rows_t", sizeof(rows_t)},
-        {"sizeof.linear_t", sizeof(linear_t)}, {"max_batch", MAX_BATCH},
+        {"sizeof.linear_t", sizeof(linear_t)}, {"sizeof.cols_ffn_t", sizeof(cols_ffn_t)}, {"max_batch", MAX_BATCH},
     };
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(name, table[i].name)) return table[i].value;
