@@ -40,9 +40,9 @@ from .common import fail_cleanly, verbose
               help="With --sparsity auto, calibrate fully even where a quick sample shows no sparse point can "
                    "decode faster than dense on this machine (by default the dense file is written at once).")
 @click.option("--activation-thresholds", is_flag=True,
-              help="With --sparsity none, record each layer's activation sparsity thresholds from a dense pass "
-                   "over the calibration text (for pinfer run --activation-sparsity S), and nothing else of "
-                   "calibration. Calibrated conversions record them anyway.")
+              help="Record each layer's activation sparsity thresholds at 0.1 to 0.5 from a pass over the "
+                   "calibration text (for --activation-sparsity S when the model runs); with --sparsity none "
+                   "nothing else is calibrated.")
 @click.option("--no-verify", is_flag=True, help="Skip reloading and checking the output.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (memory, disk, formats) and stop.")
 @click.pass_context

@@ -50,11 +50,11 @@ def column_ffn(model, i, level):
                          "pass --sparsity dense with it")
     info = r.header["layers"][i] if i < len(r.header["layers"]) else {}
     key, tx = f"{level:g}", info.get("input_thresholds", {}).get("gate_up", {})
-    th = info.get("input_thresholds", {}).get("down", {})   # the down projection's given gate/up's
+    th = info.get("input_thresholds", {}).get("down", {})
     if key not in tx or key not in th:
         have = ", ".join(k for k in tx if k in th) or "none"
         raise ValueError(f"layer {i} has no thresholds for activation sparsity {key} (calibrated: {have}); "
-                         "convert the model with calibration (e.g. --sparsity down:0.3) to record them")
+                         "convert the model with --activation-thresholds to record them")
     base = S.FFN_GATE_UP.format(i)
     fmt, parts = r.block(base)
     gate_up_t = transpose_gate_up(fmt, parts, cfg.n_ff, cfg.d_model, empty=huge_empty)

@@ -68,7 +68,7 @@ def columns(reader, cfg, i, level):
         thr = info.get("input_thresholds", {}).get(proj, {}).get(key)
         if thr is None:
             raise ValueError(f"layer {i} has no thresholds of its {proj} input for activation sparsity {key}; "
-                             "convert the model with calibration (e.g. --sparsity down:0.3) to record them")
+                             "convert the model with --activation-thresholds to record them")
         fmt, parts = reader.block(base)
         if fmt != "q4":
             out.append((reader.block(base, own=True), None))

@@ -164,12 +164,19 @@ def test_the_column_ffn_is_the_transposed_bundle_under_both_thresholds(each_isa)
             assert np.abs(y - ref).max() < (1e-5 if isa == "portable" else 0.05) * np.abs(ref).max()
 
 
+@pytest.fixture(scope="module")
+def act_file(tmp_path_factory):
+    """The tiny SiLU model converted with calibration and --activation-thresholds."""
+    from fixtures import convert_tiny_silu
+    return convert_tiny_silu(tmp_path_factory.mktemp("act"), activation=True)
+
+
 def _decode(model, ids):
     model.reset()
     return np.concatenate([model.forward([t]) for t in ids])
 
 
-def test_activation_sparsity_decodes_as_the_reference_drops(silu_file, silu_gguf):
+def test_activation_sparsity_decodes_as_the_reference_drops(act_file):
     """The runtime's --activation-sparsity 0.3 on the tiny calibrated file, token by token, against
     the PyTorch reference (activation.layer_forward) with the file's own thresholds for all four
     projections' inputs: the same next tokens and logits within the int8 paths' error; about 70% of
@@ -179,7 +186,7 @@ def test_activation_sparsity_decodes_as_the_reference_drops(silu_file, silu_gguf
     from pinfer.converter.passes import torch_llama as TL
     from pinfer.kernels import ColumnFFN
     from pinfer.runtime.model import Model, RuntimeOptions
-    m = Model(silu_file, RuntimeOptions(activation=0.3, kernels="on", sparsity="dense", threads=1))
+    m = Model(act_file, RuntimeOptions(activation=0.3, kernels="on", sparsity="dense", threads=1))
     assert all(isinstance(f.kernel, ColumnFFN) for f in m.ffns)
     assert all(s.cols[0].q and s.cols[1].q for s in m.native)        # q/k/v and output by columns
     assert "columns, activation sparsity 0.3" in "\n".join(n.describe() for n in m.notes)
@@ -187,9 +194,10 @@ def test_activation_sparsity_decodes_as_the_reference_drops(silu_file, silu_gguf
     ids = list(np.random.default_rng(0).integers(3, m.cfg.vocab, 48))
     got = _decode(m, ids)
     gu, down = m.counters.fractions()
-    assert 0.55 < gu < 0.85 and 0.5 < down < 0.9, (gu, down)
+    # the thresholds were taken on the model as it runs at 0.3: about 70% of each input kept here too
+    assert 0.6 < gu < 0.8 and 0.6 < down < 0.8, (gu, down)
 
-    fe = _source(silu_gguf)
+    fe = _source(act_file.with_name("silu.gguf"))
     src, names, cfg = fe.src, fe.roles, fe.cfg
     embed, head, rot = TL.Embedding(src, names), TL.Head(src, names, cfg), TL.Rotary(cfg, len(ids))
     refs = {}
@@ -214,12 +222,12 @@ def test_activation_sparsity_decodes_as_the_reference_drops(silu_file, silu_gguf
     assert err.mean() < 0.5 * np.abs(got - refs["dense"]).mean()
 
 
-def test_activation_sparsity_needs_calibrated_thresholds(silu_gguf, tmp_path):
+def test_activation_sparsity_needs_calibrated_thresholds(silu_file, tmp_path):
     from fixtures import convert_tiny_silu
+    from pinfer.converter.passes import activation as A
     from pinfer.runtime.model import Model, RuntimeOptions
-    plain = convert_tiny_silu(tmp_path, sparsity="none")
     with pytest.raises(ValueError, match="has no thresholds .*for activation sparsity 0.3; convert"):
-        Model(plain, RuntimeOptions(activation=0.3, kernels="on"))
+        Model(silu_file, RuntimeOptions(activation=0.3, kernels="on"))     # calibrated, but without them
     with pytest.raises(ValueError, match="not a share of inputs"):
         RuntimeOptions(activation=1.5)
     # --activation-thresholds records them without the rest of calibration; the layers stay dense
@@ -227,8 +235,8 @@ def test_activation_sparsity_needs_calibrated_thresholds(silu_gguf, tmp_path):
     recorded = convert_tiny_silu(tmp_path / "recorded", sparsity="none", activation=True)
     m = Model(recorded, RuntimeOptions(activation=0.3, kernels="on", threads=1))
     layers = m.reader.header["layers"]
-    assert all(lay["mode"] == "dense" and set(lay["input_thresholds"]) == {"qkv", "o", "gate_up", "down"} for lay in layers)
+    assert all(lay["mode"] == "dense" and set(lay["input_thresholds"]) == set(A.PROJECTIONS) for lay in layers)
     assert all(0 < lay["input_thresholds"]["gate_up"]["0.3"] < lay["input_thresholds"]["gate_up"]["0.5"] for lay in layers)
     assert np.isfinite(_decode(m, [5, 6, 7])).all()
     gu, down = m.counters.fractions()
-    assert 0.5 < gu < 0.9 and 0.5 < down < 0.9, (gu, down)
+    assert 0.6 < gu < 0.8 and 0.6 < down < 0.8, (gu, down)

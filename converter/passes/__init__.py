@@ -29,8 +29,8 @@ class PassOptions:
     seed: int = 0
     early_check: bool = True        # auto: the dense file at once where no sparse point can be faster (early.py)
     calib_device: str = "auto"      # auto | cpu | cuda: where calibration and predictor training run
-    # with --sparsity none: a pass over the calibration text records every layer's activation
-    # sparsity thresholds (activation.thresholds) and nothing else of calibration
+    # a pass over the calibration text records every layer's activation sparsity thresholds
+    # (activation.thresholds), after whatever --sparsity calibrates (with none: nothing else)
     activation: bool = False
 
 
@@ -123,12 +123,16 @@ def _bundle_formats(src, names, i, quant, permuted, predictor_bytes):
 
 
 def run(src, names, cfg, tokenizer_spec, opts, quant):
+    plan = _plan(src, names, cfg, tokenizer_spec, opts, quant)
+    if opts.activation:
+        _activation_thresholds(src, names, cfg, tokenizer_spec, opts, plan.layers)
+    return plan
+
+
+def _plan(src, names, cfg, tokenizer_spec, opts, quant):
     forced = parse_sparsity(opts.sparsity, cfg)
     if forced == "none":
-        layers = [LayerLayout() for _ in range(cfg.n_layer)]
-        if opts.activation:
-            _activation_only(src, names, cfg, tokenizer_spec, opts, layers)
-        return LayoutPlan(layers, {"mode": "none"})
+        return LayoutPlan([LayerLayout() for _ in range(cfg.n_layer)], {"mode": "none"})
     if forced is None and src.powerinfer:
         return powerinfer_plan(src, names, cfg, opts, quant)
     try:
@@ -207,12 +211,12 @@ def _sparsity_record(result, choice, forced, opts, cs, device):
     }
 
 
-def _activation_only(src, names, cfg, tokenizer_spec, opts, layers):
-    """Each layer's activation sparsity thresholds (header input_thresholds, and thresholds for the
-    down projection's input) into its dense LayerLayout, from a dense pass over the calibration text."""
+def _activation_thresholds(src, names, cfg, tokenizer_spec, opts, layers):
+    """Each layer's activation sparsity thresholds (header input_thresholds: activation.thresholds,
+    from the calibration text) into its LayerLayout's header entry."""
     from pinfer.runtime.tokenizer import Tokenizer
 
-    from . import activation, calib_data, calibrate
+    from . import activation, calib_data
     from . import torch_llama as TL
     t0 = time.perf_counter()
     cs = calib_data.build(Tokenizer.from_spec(tokenizer_spec), opts.calib, min(opts.seq_len, cfg.n_ctx_train),
@@ -220,10 +224,10 @@ def _activation_only(src, names, cfg, tokenizer_spec, opts, layers):
     freqs = src.floats(names["rope_freqs"]) if "rope_freqs" in names else None
     bar = _progress(cfg.n_layer, "activation thresholds")
     found = activation.thresholds(src, names, cfg, cs.train, TL.Embedding(src, names, "cpu", cfg.embed_scale),
-                                  calibrate.SPARSITY_GRID, freqs, opts.seed, lambda i: bar.update(1))
+                                  activation.LEVELS, freqs, opts.seed, lambda i: bar.update(1))
     bar.close()
     for lay, th in zip(layers, found):
-        lay.info = {"mode": "dense", "value": 0.0, "order": "source",
+        lay.info = {**(lay.info or {"mode": lay.mode, "value": lay.value, "order": "source"}),
                     "input_thresholds": {p: {f"{s:g}": t for s, t in ts.items()} for p, ts in th.items()}}
     _log(f"activation thresholds: {cs.train.size} tokens of {cs.description.split(';')[0]} "
          f"({time.perf_counter() - t0:.0f} s)")
@@ -242,7 +246,6 @@ def _layer_layout(lc, p, order, f, ffn_bytes):
         info={"mode": p.mode, "value": p.value, "order": "source" if perm is None else "hot-first",
               "bundle_formats": {"gate_up": f.gate_up[0], "down_t": f.down[0]},
               "thresholds": {f"{s:g}": t for s, t in lc.thresholds.items()},
-              "input_thresholds": {p: {f"{s:g}": t for s, t in ts.items()} for p, ts in lc.input_thresholds.items()},
               "active_fraction": float(lc.freq.mean()),
               "predictor": {"rank": pred.rank, "format": pred.fmt, "ranks_tried": dict(lc.ranks_tried),
                             "bytes": pred.nbytes(),

@@ -23,7 +23,8 @@ from . import torch_llama as TL
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 SAMPLE = 1 << 20            # |input| values kept per layer and projection for its quantiles
-KEEP_X = 2048               # FFN inputs (tokens) down_given_x runs the FFN over again
+PROBE_SEQS = 4              # calibration sequences each level's thresholds are taken from, per layer
+LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5)   # what convert --activation-thresholds records
 
 
 def projection_sizes(cfg, gated=True):
@@ -45,14 +46,12 @@ def layer_forward(h, w, cfg, rotary, tap=TL._same):
 
 class Recorder:
     """A tap that keeps a random sample of each projection's |input| (the calibration), of those
-    in `projections`, and the first KEEP_X rows of the FFN's input (for down_given_x)."""
+    in `projections`."""
 
     def __init__(self, rng, projections=PROJECTIONS):
-        self.rng, self.seen, self.x = rng, {p: [] for p in projections}, []
+        self.rng, self.seen = rng, {p: [] for p in projections}
 
     def __call__(self, name, x):
-        if name == "gate_up" and sum(len(k) for k in self.x) < KEEP_X:
-            self.x.append(x.detach().reshape(-1, x.shape[-1])[:KEEP_X].clone())
         if name not in self.seen:
             return x
         flat = x.detach().reshape(-1).abs()
@@ -104,36 +103,43 @@ class Config:
         return self.per_layer.get(layer, self.levels)
 
 
-def down_given_x(x, w, cfg, x_thresholds, rng):
-    """{level: |h| threshold} of the down projection's input as the layer runs at that level: h =
-    act(gate x') * (up x') with x' the FFN input x (N, d) under x_thresholds[level] dropped. A
-    threshold taken from the dense h would drop more than the level where the dropped inputs are
-    not near zero (LLaMA-7B's shapes with random weights: an FFN input of +-1 everywhere, and 0.0002%
-    of the neurons kept at 0.4 instead of 60%)."""
-    out = {}
-    for level, t in x_thresholds.items():
-        h = TL.ffn_hidden(x * (x.abs() >= t), w, cfg).abs().reshape(-1)
-        if h.numel() > SAMPLE:
-            h = h[torch.from_numpy(rng.integers(0, h.numel(), SAMPLE)).to(h.device)]
-        out[level] = float(torch.quantile(h.float(), level))
-    return out
+class Calibrating:
+    """A tap that takes, for each projection in turn, the |input| under which the share `level` of
+    this batch's inputs falls, and drops them: the inputs of the later projections are then those
+    of the model as it runs at that level."""
+
+    def __init__(self, level, rng):
+        self.level, self.rng, self.t = level, rng, {}
+
+    def __call__(self, name, x):
+        flat = x.detach().reshape(-1).abs()
+        if flat.numel() > SAMPLE:
+            flat = flat[torch.from_numpy(self.rng.integers(0, flat.numel(), SAMPLE)).to(flat.device)]
+        self.t[name] = t = float(torch.quantile(flat.float(), self.level))
+        return x * (x.abs() >= t)
 
 
-def thresholds(src, names, cfg, train, embed, levels, freq_divisors=None, seed=0, on_layer=None):
-    """Per layer {projection: {level: |input| threshold}} from the dense model over train (n, T)
-    token ids, one layer's weights at a time: the calibration alone, for a file that runs dense
-    otherwise (convert --sparsity none --activation-thresholds)."""
+def thresholds(src, names, cfg, train, embed, levels=LEVELS, freq_divisors=None, seed=0, on_layer=None):
+    """Per layer {projection: {level: |input| threshold}} over train (n, T) token ids, one layer's
+    weights at a time, each level on its own stream of the model as it runs at that level: per
+    layer the first PROBE_SEQS sequences set each projection's threshold in turn (Calibrating), the
+    rest follow with them. Thresholds taken from the dense model drop more than the level where the
+    dropped inputs are not near zero, and compound over the projections and layers: LLaMA-7B's
+    shapes with random weights (an FFN input of +-1 everywhere) kept 0.0002% of the down projection's
+    inputs at 0.4 with the dense model's, 43% with the FFN input's alone taken into account."""
     rng = np.random.default_rng(seed)
     rot = TL.Rotary(cfg, train.shape[1], freq_divisors)
     out = []
     with torch.no_grad():
-        h = embed(train)
+        streams = {s: embed(train) for s in levels}
         for i in range(cfg.n_layer):
-            rec, w = Recorder(rng), TL.load_layer(src, names, i)
-            h = _batched(h, w, cfg, rot, rec)
-            found = rec.thresholds(levels)
-            found["down"] = down_given_x(torch.cat(rec.x), w, cfg, found["gate_up"], rng)
-            out.append(found)
+            w, found = TL.load_layer(src, names, i), {}
+            for s in levels:
+                h, tap = streams[s], Calibrating(s, rng)
+                probe = layer_forward(h[:PROBE_SEQS], w, cfg, rot, tap)
+                streams[s] = torch.cat([probe, _batched(h[PROBE_SEQS:], w, cfg, rot, Sparsifier(tap.t))])
+                found[s] = tap.t
+            out.append({p: {s: found[s][p] for s in levels} for p in PROJECTIONS})
             del w
             if on_layer:
                 on_layer(i)

@@ -25,7 +25,6 @@ from pinfer.runtime.sparse import Rule as Point   # an operating point: the rule
 
 from . import predictor as P
 from . import torch_llama as TL
-from .activation import KEEP_X, Recorder, down_given_x
 
 SPARSITY_GRID = tuple(round(0.1 * k, 1) for k in range(1, 10))   # thresholds stored per layer
 DOWN_POINTS = (0.2, 0.3, 0.4)
@@ -65,10 +64,6 @@ class LayerCalibration:
     # per operating point name -> measured on its own held-out stream:
     #   (share of gate/up rows read, share of down rows read, share of 32-neuron groups touched)
     read: dict = field(default_factory=dict)
-    # activation sparsity: projection ("qkv", "o", "gate_up": whose inputs) -> sparsity quantile S
-    # -> the |input| under which the share S falls (those inputs dropped, their rows of the
-    # transposed weight not read; the down projection's are `thresholds`)
-    input_thresholds: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -120,10 +115,9 @@ def batch_seqs(cfg, seq_len):
     return int(max(1, min(MAX_BATCH_SEQS, BATCH_BYTES // per_seq)))
 
 
-def forward_ffn(h, w, cfg, rotary, tap=TL._same):
-    """Attention, then the FFN's input and hidden values, for one batch h (B, T, d); tap sees the
-    attention's projections' inputs (torch_llama.attention)."""
-    h1 = TL.attention(h, w, cfg, rotary, tap)
+def forward_ffn(h, w, cfg, rotary):
+    """Attention, then the FFN's input and hidden values, for one batch h (B, T, d)."""
+    h1 = TL.attention(h, w, cfg, rotary)
     x = TL.ffn_input(h1, w, cfg)
     return TL.ffn_residual(h1, w), x, TL.ffn_hidden(x, w, cfg)
 
@@ -159,21 +153,20 @@ def run(src, names, cfg, calib, embed, head, ffn_bytes, freq_divisors=None, pred
         with clock("load"):
             w = TL.load_layer(src, names, i, dev)
         with torch.no_grad():
-            with clock("forward"):      # inputs: the attention's projections'
-                x_train, h_train = _train_forward(train_h, w, cfg, rot, bs, inputs := Recorder(rng, ("qkv", "o")))
+            with clock("forward"):
+                x_train, h_train = _train_forward(train_h, w, cfg, rot, bs)
                 # the dense held-out stream gives the predictor its held-out tokens: (the residual the
                 # down projection adds to, the FFN's input, its hidden values), all held-out sequences
                 dense = _dense_heldout(streams["dense"], w, cfg, rot, bs)
                 x_held, hact_held = dense[1].view(-1, cfg.d_model), dense[2].view(-1, cfg.n_ff)
             with clock("statistics"):
-                thresholds, mask_train, freq, input_thresholds = _statistics(h_train, cfg, rng, x_train, inputs, w)
-                del h_train, inputs
+                thresholds, mask_train, freq = _statistics(h_train, cfg, rng)
+                del h_train
         # the layer's float32 weights (0.81 GB at LLaMA-7B's shapes) are not held through the
         # predictor's training: dequantized again for the held-out streams
         del w
         release_memory(src)
-        lc, ranks = (LayerCalibration(thresholds, freq, None, [], {}, input_thresholds=input_thresholds),
-                     predictor_ranks(cfg, ffn_bytes[i], predictor_budget))
+        lc, ranks = LayerCalibration(thresholds, freq, None, [], {}), predictor_ranks(cfg, ffn_bytes[i], predictor_budget)
         heldout = _heldout_split(cfg, x_held, hact_held, thresholds)
         if i == 0 and adaptive and len(train_h) * T > ADAPTIVE_START:
             with clock("length_search"):
@@ -205,14 +198,14 @@ def _head_nll(head, cfg, streams, heldout):
         return nll, head.logits(streams["dense"][0, :REFERENCE_TOKENS]).cpu().numpy()
 
 
-def _train_forward(train_h, w, cfg, rot, bs, tap=TL._same):
+def _train_forward(train_h, w, cfg, rot, bs):
     """The training stream through the layer, in place; returns the FFN's inputs (N, d) and |h|
-    (N, n_ff, float16) of every training token. tap: forward_ffn's."""
+    (N, n_ff, float16) of every training token."""
     n, T, _ = train_h.shape
     x_train = torch.empty(n * T, cfg.d_model, device=train_h.device)
     h_train = torch.empty(n * T, cfg.n_ff, dtype=torch.float16, device=train_h.device)
     for b in range(0, n, bs):
-        h1, x, hact = forward_ffn(train_h[b:b + bs], w, cfg, rot, tap)
+        h1, x, hact = forward_ffn(train_h[b:b + bs], w, cfg, rot)
         train_h[b:b + bs] = h1 + TL.ffn_output(hact @ w.down.T, w, cfg)
         x_train[b * T:(b + len(x)) * T] = x.reshape(-1, cfg.d_model)
         h_train[b * T:(b + len(x)) * T] = hact.reshape(-1, cfg.n_ff).abs()
@@ -220,16 +213,12 @@ def _train_forward(train_h, w, cfg, rot, bs, tap=TL._same):
     return x_train, h_train
 
 
-def _statistics(h_train, cfg, rng, x_train, inputs, w):
+def _statistics(h_train, cfg, rng):
     """(the |h| threshold of each SPARSITY_GRID quantile, the predictor's target mask, each neuron's
-    active share) of the training tokens' |h|, and LayerCalibration.input_thresholds from the FFN's
-    inputs x_train, the Recorder `inputs` of the attention's and the layer's weights w (the down
-    projection's, given the FFN input's: activation.down_given_x)."""
+    active share) of the training tokens' |h|."""
     thresholds = _quantiles(h_train, list(SPARSITY_GRID), rng)
     mask = (h_train > 0) if cfg.exact_sparse else h_train > thresholds[PREDICTOR_SPARSITY]
-    inputs = {**inputs.thresholds(SPARSITY_GRID), "gate_up": _quantiles(x_train.abs(), list(SPARSITY_GRID), rng)}
-    inputs["down"] = down_given_x(x_train[:KEEP_X], w, cfg, inputs["gate_up"], rng)
-    return thresholds, mask, (torch.count_nonzero(mask, dim=0).float() / len(mask)).cpu().numpy(), inputs
+    return thresholds, mask, (torch.count_nonzero(mask, dim=0).float() / len(mask)).cpu().numpy()
 
 
 class _Clock:
