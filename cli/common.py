@@ -75,9 +75,9 @@ def placement_options(f):
                           "llama.cpp does) instead of copies in huge pages: a faster load and less memory of "
                           "pinfer's own, a slower decode.")(f)
     f = click.option("--activation-sparsity", "activation", type=float, default=0.0, show_default=True, metavar="S",
-                     help="Drop the share S of each FFN input by magnitude (thresholds the converter calibrated, "
-                          "e.g. 0.2): the FFN runs by columns and reads only the rows of the inputs it keeps. "
-                          "0: off.")(f)
+                     help="Drop the share S of each projection's input by magnitude (q/k/v, output, gate/up, down; "
+                          "thresholds recorded by convert --activation-thresholds, e.g. 0.2): each runs by columns "
+                          "and reads only the rows of the inputs it keeps. 0: off.")(f)
     f = click.option("--vram-budget", type=float, default=None, metavar="GIB",
                      help="GiB of VRAM the GPU part may use (default: free VRAM minus 0.5 GiB); the plan is "
                           "printed at load.")(f)

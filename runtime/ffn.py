@@ -11,7 +11,7 @@ from pinfer.kernels import ColumnFFN, DownProjection, transpose_gate_up, untrans
 from . import hybrid
 from .placement import kernel_refusal
 from .ort import MatMulDown, SplitDown
-from .sparse import LayerFfn
+from .sparse import LayerFfn, input_threshold
 
 
 def fused_ffn(model, i):
@@ -48,20 +48,14 @@ def column_ffn(model, i, level):
     if rule.rule.mode not in ("dense", "down"):
         raise ValueError(f"activation sparsity replaces the dense and down rules, not {rule.rule.name}; "
                          "pass --sparsity dense with it")
-    info = r.header["layers"][i] if i < len(r.header["layers"]) else {}
-    key, tx = f"{level:g}", info.get("input_thresholds", {}).get("gate_up", {})
-    th = info.get("input_thresholds", {}).get("down", {})
-    if key not in tx or key not in th:
-        have = ", ".join(k for k in tx if k in th) or "none"
-        raise ValueError(f"layer {i} has no thresholds for activation sparsity {key} (calibrated: {have}); "
-                         "convert the model with --activation-thresholds to record them")
+    tx, th = (input_threshold(r.header, i, p, level) for p in ("gate_up", "down"))
     base = S.FFN_GATE_UP.format(i)
     fmt, parts = r.block(base)
     gate_up_t = transpose_gate_up(fmt, parts, cfg.n_ff, cfg.d_model, empty=huge_empty)
     r.release(*(S.part_name(base, p) for p in parts))
     down = r.block(S.FFN_DOWN_T.format(i), own=True)
-    kernel = ColumnFFN(gate_up_t, down, cfg.n_ff, cfg.d_model, cfg.ffn_act, model.threads, float(tx[key]))
-    return LayerFfn(kernel, "down", np.float32(th[key]))
+    kernel = ColumnFFN(gate_up_t, down, cfg.n_ff, cfg.d_model, cfg.ffn_act, model.threads, tx)
+    return LayerFfn(kernel, "down", np.float32(th))
 
 
 # Timing a dense layer's kernel needs the attention-only sessions, a second copy of the attention

@@ -152,8 +152,11 @@ def path_note(model):
     r, cfg, opt = model.reader, model.cfg, model.options
     lines = []
     for i in range(cfg.n_layer):
-        if model.native[i] is not None:
-            attn = "C kernels"
+        if model.native[i] is not None:     # with activation sparsity: the projections by columns, or why not
+            qkv, out = (c.q is not None for c in model.native[i].cols)
+            attn = "C kernels" + ("" if not opt.activation else {(True, True): ", by columns", (True, False): (
+                ", q/k/v by columns, the output by rows (not q4)"), (False, True): ", q/k/v by rows (not q4), the "
+                "output by columns", (False, False): ", by rows (not q4)"}[qkv, out])
         else:
             why = ("--dense-kernel off" if opt.dense_kernel == "off" else native.refusal(r, cfg, i)
                    or "the dense part is not on the CPU in float32")

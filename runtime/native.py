@@ -12,6 +12,8 @@ from pinfer.formats.reader import huge_empty
 from pinfer.kernels import MAX_BATCH, transpose_q4
 from pinfer.kernels.decode import LINEAR_FORMATS, AttentionStep, HeadStep
 
+from .sparse import input_threshold
+
 
 def refusal(reader, cfg, i=None):
     """Why layer i (None: the head) cannot run through the C kernels, or None where it can."""
@@ -61,19 +63,15 @@ def columns(reader, cfg, i, level):
     """Layer i's ((qkv's rows or None, its transpose and threshold or None), the same of the output
     projection) for activation sparsity `level`: each q4 projection transposed into its own copy (the map's
     pages let go), the other formats by rows. Raises ValueError where the file has no thresholds."""
-    info = reader.header["layers"][i] if i < len(reader.header["layers"]) else {}
-    key, out = f"{level:g}", []
+    out = []
     for base, proj, rows, k in ((S.ATTN_QKV.format(i), "qkv", (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim,
                                  cfg.d_model), (S.ATTN_OUT.format(i), "o", cfg.d_model, cfg.n_head * cfg.head_dim)):
-        thr = info.get("input_thresholds", {}).get(proj, {}).get(key)
-        if thr is None:
-            raise ValueError(f"layer {i} has no thresholds of its {proj} input for activation sparsity {key}; "
-                             "convert the model with --activation-thresholds to record them")
+        thr = input_threshold(reader.header, i, proj, level)
         fmt, parts = reader.block(base)
         if fmt != "q4":
             out.append((reader.block(base, own=True), None))
             continue
-        out.append((None, (*transpose_q4(fmt, parts, rows, k, huge_empty, base), float(thr))))
+        out.append((None, (*transpose_q4(fmt, parts, rows, k, huge_empty, base), thr)))
         reader.release(*(S.part_name(base, p) for p in parts))
     return out
 

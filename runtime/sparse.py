@@ -40,6 +40,20 @@ class Rule:
         return cls(info.get("mode", "dense"), float(info.get("value", 0.0)))
 
 
+def input_threshold(header, layer, projection, level):
+    """The |input| under which activation sparsity `level` drops `projection`'s inputs in `layer`
+    (header layers[i].input_thresholds, convert --activation-thresholds). Raises ValueError, one
+    sentence, where the file has none."""
+    info = header["layers"][layer] if layer < len(header.get("layers", [])) else {}
+    found = info.get("input_thresholds", {}).get(projection, {})
+    key = f"{level:g}"
+    if key not in found:
+        raise ValueError(f"layer {layer} has no thresholds of its {projection} input for activation sparsity {key} "
+                         f"(recorded: {', '.join(found) or 'none'}); convert the model with --activation-thresholds "
+                         "to record them")
+    return float(found[key])
+
+
 @dataclass(frozen=True)
 class LayerFfn:
     """A layer's FFN run by pinfer's fused kernel: the kernel (kernels.SparseFFN, or a

@@ -189,7 +189,8 @@ def test_activation_sparsity_decodes_as_the_reference_drops(act_file):
     m = Model(act_file, RuntimeOptions(activation=0.3, kernels="on", sparsity="dense", threads=1))
     assert all(isinstance(f.kernel, ColumnFFN) for f in m.ffns)
     assert all(s.cols[0].q and s.cols[1].q for s in m.native)        # q/k/v and output by columns
-    assert "columns, activation sparsity 0.3" in "\n".join(n.describe() for n in m.notes)
+    said = "\n".join(n.describe() for n in m.notes)
+    assert "attention: C kernels, by columns; FFN: columns, activation sparsity 0.3" in said, said
     layers = m.reader.header["layers"]
     ids = list(np.random.default_rng(0).integers(3, m.cfg.vocab, 48))
     got = _decode(m, ids)
@@ -226,7 +227,7 @@ def test_activation_sparsity_needs_calibrated_thresholds(silu_file, tmp_path):
     from fixtures import convert_tiny_silu
     from pinfer.converter.passes import activation as A
     from pinfer.runtime.model import Model, RuntimeOptions
-    with pytest.raises(ValueError, match="has no thresholds .*for activation sparsity 0.3; convert"):
+    with pytest.raises(ValueError, match="has no thresholds .*for activation sparsity 0.3 .*--activation-thresholds"):
         Model(silu_file, RuntimeOptions(activation=0.3, kernels="on"))     # calibrated, but without them
     with pytest.raises(ValueError, match="not a share of inputs"):
         RuntimeOptions(activation=1.5)

@@ -45,15 +45,13 @@ def layer_forward(h, w, cfg, rotary, tap=TL._same):
 
 
 class Recorder:
-    """A tap that keeps a random sample of each projection's |input| (the calibration), of those
-    in `projections`."""
+    """A tap that keeps a random sample of each projection's |input|: the dense model's quantiles,
+    which run() evaluates (benchmarks/activation_sparsity.py); the converter records thresholds()."""
 
-    def __init__(self, rng, projections=PROJECTIONS):
-        self.rng, self.seen = rng, {p: [] for p in projections}
+    def __init__(self, rng):
+        self.rng, self.seen = rng, {p: [] for p in PROJECTIONS}
 
     def __call__(self, name, x):
-        if name not in self.seen:
-            return x
         flat = x.detach().reshape(-1).abs()
         if flat.numel() > SAMPLE:
             flat = flat[torch.from_numpy(self.rng.integers(0, flat.numel(), SAMPLE)).to(flat.device)]
