@@ -44,8 +44,9 @@ import numpy as np
 from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.tokenizer import Tokenizer
 what, path, threads, text = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-n_decode, n_prompt = int(sys.argv[5]), int(sys.argv[6])
-m = Model(path, RuntimeOptions(threads=threads, n_ctx=512, device="cpu"))
+n_decode, n_prompt, act = int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7])
+m = Model(path, RuntimeOptions(threads=threads, n_ctx=512, device="cpu",
+                               **({"activation": act, "kernels": "on", "sparsity": "dense"} if act else {})))
 tok = Tokenizer.from_spec(m.tokenizer_spec)
 ids = tok.encode(open(text, encoding="utf-8").read()[:200000])
 if what == "quality":
@@ -95,7 +96,7 @@ def pyroot(tree, dest):
 def run(root, what, a, threads):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", CHILD, what, str(a.model), str(threads), str(a.text), str(a.tokens),
-                          str(a.prompt)], env=env,
+                          str(a.prompt), str(a.activation)], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -110,6 +111,8 @@ def main(argv=None):
     ap.add_argument("--speed-only", action="store_true", help="skip perplexity and greedy (large models)")
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens timed")
+    ap.add_argument("--activation", type=float, default=0.0, metavar="S",
+                    help="both sides at activation sparsity S (the file needs its thresholds)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -167,9 +167,9 @@ def main(argv=None):
     ap.add_argument("--activation", default="0", metavar="S[,S...]",
                     help="pinfer runs the file once per level, in turn with the others and llama.cpp: 0 its own "
                          "rules, S > 0 activation sparsity S through the column kernels (the file needs its "
-                         "calibrated thresholds)")
+                         "calibrated thresholds), auto the levels per projection its converter chose")
     a = ap.parse_args(argv)
-    a.activation = [float(x) for x in a.activation.split(",")]
+    a.activation = [x if x == "auto" else float(x) for x in a.activation.split(",")]
     if a.isa:
         kernels.sparse_isa(a.isa)
     if a.repeats < 5:
@@ -203,7 +203,7 @@ def main(argv=None):
                     else:
                         l = statistics.median(theirs)
                         llama_cell, ratio = f"{l:.1f} ({min(theirs):.1f}-{max(theirs):.1f})", f"{o / l:.2f}x"
-                    name = gguf.name + (f", activation sparsity {lv:g}" if lv else "")
+                    name = gguf.name + (f", activation sparsity {lv}" if lv else "")
                     print(f"| {name} | {t} | {o:.1f} ({min(ours):.1f}-{max(ours):.1f}) | {llama_cell} | {ratio} "
                           f"| {rows_read(gu, down)} | {mb:.1f} | {bound:.0f} | {o / bound:.0%} |", flush=True)
 

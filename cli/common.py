@@ -74,14 +74,25 @@ def placement_options(f):
                      help="Read the weights from the file's map (the page cache, shared and evictable, as "
                           "llama.cpp does) instead of copies in huge pages: a faster load and less memory of "
                           "pinfer's own, a slower decode.")(f)
-    f = click.option("--activation-sparsity", "activation", type=float, default=0.0, show_default=True, metavar="S",
+    f = click.option("--activation-sparsity", "activation", default="0", show_default=True, metavar="S|auto",
+                     callback=_activation_level,
                      help="Drop the share S of each projection's input by magnitude (q/k/v, output, gate/up, down; "
                           "thresholds recorded by convert --activation-thresholds, e.g. 0.2): each runs by columns "
-                          "and reads only the rows of the inputs it keeps. 0: off.")(f)
+                          "and reads only the rows of the inputs it keeps. auto: the level per projection the "
+                          "converter chose within its --max-ppl-increase. 0: off.")(f)
     f = click.option("--vram-budget", type=float, default=None, metavar="GIB",
                      help="GiB of VRAM the GPU part may use (default: free VRAM minus 0.5 GiB); the plan is "
                           "printed at load.")(f)
     return f
+
+
+def _activation_level(ctx, param, value):
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a share of inputs such as 0.2, or auto") from None
 
 
 def runtime_config(kw):

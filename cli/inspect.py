@@ -97,8 +97,26 @@ def command(ctx, path, as_json, tensors):
     for row in sp.get("heldout", {}).get("points", []):
         click.echo(f"             {row['point']:<16} held-out PPL {row['ppl']:.3f} ({row['increase']:+.2%}), "
                    f"FFN {row['ffn_bytes'] / 1e6:.2f} MB/token")
+    _activation(sp.get("activation"))
     total = sum(e["nbytes"] for e in s["tensors"].values())
     click.echo(f"  tensors    {len(s['tensors'])}, {total / 1e6:.1f} MB")
     if tensors:
         for n, e in s["tensors"].items():
             click.echo(f"    {n:40s} {e['dtype']:4s} {str(tuple(e['shape'])):20s} {e['nbytes'] / 1e6:9.3f} MB")
+
+
+def _activation(rec):
+    """The activation sparsity levels convert --activation-thresholds chose, and what it measured."""
+    if rec is None:
+        return
+    try:
+        levels = ", ".join(f"{p} {float(v):g}" for p, v in rec["chosen"].items())
+        click.echo(f"  activation {levels} (--activation-sparsity auto), within +{float(rec['max_ppl_increase']):.1%} "
+                   f"of held-out PPL {float(rec['dense_ppl']):.3f}")
+        if rec.get("curve"):
+            click.echo("             measured (levels of qkv, o, gate_up, down):")
+        for row in rec.get("curve", []):
+            lv = " ".join(f"{float(v):g}" for v in row["levels"].values())
+            click.echo(f"             levels {lv:<16} held-out PPL {float(row['ppl_increase']):+.2%}")
+    except (AttributeError, KeyError, TypeError, ValueError):
+        click.echo("  activation (the file's record of it is malformed)")

@@ -65,6 +65,8 @@ class PrefillChoice:
     times: tuple                    # ((prompt tokens, kernel time / dense graphs' time), ...)
     up_to: int                      # 0: every prompt through the dense graphs
     untimed: bool = False           # one copy of the weights (loading.one_copy): no graphs to time against
+    why: str = ("the weights are held once, so ONNX Runtime's graphs (which pack a copy of their own) are "
+                "not built")
 
     @property
     def quiet(self):
@@ -72,8 +74,7 @@ class PrefillChoice:
 
     def describe(self):
         if self.untimed:
-            return (f"ffn: prompts through the C kernels' batch calls, {self.up_to} tokens a call at most, untimed: "
-                    "the weights are held once, so ONNX Runtime's graphs (which pack a copy of their own) are not built")
+            return f"ffn: prompts through the C kernels' batch calls, {self.up_to} tokens a call at most, untimed: {self.why}"
         said = ", ".join(f"{n}: {r:.2f}x" for n, r in self.times)
         if self.up_to and self.up_to not in [n for n, _ in self.times]:
             said += f"; up to {self.up_to} by the bound on the growth of both times"
@@ -121,6 +122,10 @@ def choose_paths(model):
     KEEP_BELOW of the graph's. Returns the PathChoice records (then the PrefillChoice, where a
     kernel stays: prompts of up to prefill_by_token tokens take its batch call)."""
     from . import loading       # here: loading imports this module's PREFILL_SIZES
+    if model.options.activation:
+        return [PrefillChoice((), PREFILL_SIZES[-1], untimed=True, why=(
+            "activation sparsity runs every projection by columns, which no graph does (a prompt token then "
+            "computes what a decoded one does)"))]
     groups = {}
     for i, f in enumerate(model.ffns):
         if f is not None:

@@ -11,7 +11,7 @@ from pinfer.kernels import ColumnFFN, DownProjection, transpose_gate_up, untrans
 from . import hybrid
 from .placement import kernel_refusal
 from .ort import MatMulDown, SplitDown
-from .sparse import LayerFfn, input_threshold
+from .sparse import LayerFfn, activation_levels, input_threshold
 
 
 def fused_ffn(model, i):
@@ -38,7 +38,7 @@ def fused_ffn(model, i):
 
 
 def column_ffn(model, i, level):
-    """Layer i's FFN by columns at activation sparsity `level` (RuntimeOptions.activation): its
+    """Layer i's FFN by columns at activation sparsity `level` (RuntimeOptions.activation: S or auto): its
     gate/up rows transposed into their own copy (the map's pages let go), down_t read as it is.
     Raises ValueError, one sentence, where the layer or the options cannot run so."""
     r, cfg, opt, rule = model.reader, model.cfg, model.options, model.rules[i]
@@ -48,7 +48,8 @@ def column_ffn(model, i, level):
     if rule.rule.mode not in ("dense", "down"):
         raise ValueError(f"activation sparsity replaces the dense and down rules, not {rule.rule.name}; "
                          "pass --sparsity dense with it")
-    tx, th = (input_threshold(r.header, i, p, level) for p in ("gate_up", "down"))
+    levels = activation_levels(r.header, level)
+    tx, th = (input_threshold(r.header, i, p, levels[p]) for p in ("gate_up", "down"))
     base = S.FFN_GATE_UP.format(i)
     fmt, parts = r.block(base)
     gate_up_t = transpose_gate_up(fmt, parts, cfg.n_ff, cfg.d_model, empty=huge_empty)

@@ -15,7 +15,7 @@ from .autotune import PREFILL_SIZES
 from .ffn import down_projection
 from .options import Note
 from .placement import kernel_refusal
-from .sparse import LayerRule, Rule
+from .sparse import LayerRule, Rule, activation_label
 
 
 def trim_heap():
@@ -155,15 +155,15 @@ def path_note(model):
         if model.native[i] is not None:     # with activation sparsity: the projections by columns, or why not
             qkv, out = (c.q is not None for c in model.native[i].cols)
             attn = "C kernels" + ("" if not opt.activation else {(True, True): ", by columns", (True, False): (
-                ", q/k/v by columns, the output by rows (not q4)"), (False, True): ", q/k/v by rows (not q4), the "
-                "output by columns", (False, False): ", by rows (not q4)"}[qkv, out])
+                ", q/k/v by columns, the output by rows (not q4, or level 0)"), (False, True): ", q/k/v by rows (not "
+                "q4, or level 0), the output by columns", (False, False): ", by rows (not q4, or level 0)"}[qkv, out])
         else:
             why = ("--dense-kernel off" if opt.dense_kernel == "off" else native.refusal(r, cfg, i)
                    or "the dense part is not on the CPU in float32")
             attn = f"ONNX Runtime ({why})"
         entry = model.ffns[i] if model.ffns else None
         if entry is not None:
-            ffn = (f"columns, activation sparsity {opt.activation:g}" if opt.activation and entry.mode != "dense"
+            ffn = (f"columns, activation sparsity {activation_label(r.header, opt.activation)}" if opt.activation and entry.mode != "dense"
                    else f"fused kernel, {entry.mode}")
         else:
             why = (model.rules[i].refusal or kernel_refusal(r, cfg, i)

@@ -139,7 +139,7 @@ class Model:
     @property
     def sparsity_names(self):
         """The distinct rules the layers run, e.g. ["down:0.3"] (or the activation sparsity)."""
-        return [f"activation:{self.options.activation:g}"] if self.options.activation else sorted({r.rule.name for r in self.rules})
+        return [f"activation:{self.options.activation}"] if self.options.activation else sorted({r.rule.name for r in self.rules})
 
     # -- binding and routing ---------------------------------------------------------------------
     def bind_activations(self, n):

@@ -12,7 +12,7 @@ from pinfer.formats.reader import huge_empty
 from pinfer.kernels import MAX_BATCH, transpose_q4
 from pinfer.kernels.decode import LINEAR_FORMATS, AttentionStep, HeadStep
 
-from .sparse import input_threshold
+from .sparse import activation_levels, input_threshold
 
 
 def refusal(reader, cfg, i=None):
@@ -62,13 +62,13 @@ def attention_steps(reader, cfg, threads, load_map, activation=0.0):
 def columns(reader, cfg, i, level):
     """Layer i's ((qkv's rows or None, its transpose and threshold or None), the same of the output
     projection) for activation sparsity `level`: each q4 projection transposed into its own copy (the map's
-    pages let go), the other formats by rows. Raises ValueError where the file has no thresholds."""
-    out = []
+    pages let go), the other formats and a projection at level 0 by rows. Raises ValueError where the file has no thresholds."""
+    out, levels = [], activation_levels(reader.header, level)
     for base, proj, rows, k in ((S.ATTN_QKV.format(i), "qkv", (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim,
                                  cfg.d_model), (S.ATTN_OUT.format(i), "o", cfg.d_model, cfg.n_head * cfg.head_dim)):
-        thr = input_threshold(reader.header, i, proj, level)
+        thr = input_threshold(reader.header, i, proj, levels[proj])
         fmt, parts = reader.block(base)
-        if fmt != "q4":
+        if fmt != "q4" or not levels[proj]:
             out.append((reader.block(base, own=True), None))
             continue
         out.append((None, (*transpose_q4(fmt, parts, rows, k, huge_empty, base), thr)))

@@ -52,7 +52,8 @@ class RuntimeOptions:
     # thresholds the converter calibrated per layer (header layers[i] input_thresholds[S] for the
     # FFN's input, thresholds[S] for the down projection's): the layer runs by columns
     # (kernels.ColumnFFN over gate|up transposed at load), reading the rows of the inputs it keeps.
-    activation: float = 0.0
+    # "auto": the level per projection the converter chose within its perplexity budget.
+    activation: float | str = 0.0
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -67,7 +68,7 @@ class RuntimeOptions:
             raise ValueError(f"KV cache type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.vram_budget is not None and not self.vram_budget >= 0:
             raise ValueError(f"--vram-budget {self.vram_budget:g} GiB is negative; give the GiB the GPU may use")
-        if not 0.0 <= self.activation < 1.0:
+        if self.activation != "auto" and not 0.0 <= self.activation < 1.0:
             raise ValueError(f"activation sparsity {self.activation:g} is not a share of inputs from 0 (off) "
                              "to below 1, e.g. 0.3")
         if self.n_ctx < 0 or self.threads < 0:

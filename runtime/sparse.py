@@ -42,8 +42,10 @@ class Rule:
 
 def input_threshold(header, layer, projection, level):
     """The |input| under which activation sparsity `level` drops `projection`'s inputs in `layer`
-    (header layers[i].input_thresholds, convert --activation-thresholds). Raises ValueError, one
-    sentence, where the file has none."""
+    (header layers[i].input_thresholds, convert --activation-thresholds; 0 at level 0). Raises
+    ValueError, one sentence, where the file has none."""
+    if not level:
+        return 0.0
     info = header["layers"][layer] if layer < len(header.get("layers", [])) else {}
     found = info.get("input_thresholds", {}).get(projection, {})
     key = f"{level:g}"
@@ -52,6 +54,31 @@ def input_threshold(header, layer, projection, level):
                          f"(recorded: {', '.join(found) or 'none'}); convert the model with --activation-thresholds "
                          "to record them")
     return float(found[key])
+
+
+ACTIVATION_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def activation_levels(header, activation):
+    """{projection: level} that RuntimeOptions.activation runs: S in every projection, or with
+    "auto" the levels convert --activation-thresholds chose within its perplexity budget (header
+    sparsity.activation.chosen). Raises ValueError, one sentence, where the file has no choice."""
+    if activation != "auto":
+        return dict.fromkeys(ACTIVATION_PROJECTIONS, float(activation))
+    rec = (header.get("sparsity") or {}).get("activation")
+    chosen = rec.get("chosen") if isinstance(rec, dict) else None
+    if not isinstance(chosen, dict) or set(chosen) != set(ACTIVATION_PROJECTIONS) or not all(
+            isinstance(v, (int, float)) and 0 <= v < 1 for v in chosen.values()):
+        raise ValueError("the file records no activation sparsity level per projection for --activation-sparsity "
+                         "auto; convert the model with --activation-thresholds, or give a level such as 0.2")
+    return {p: float(chosen[p]) for p in ACTIVATION_PROJECTIONS}
+
+
+def activation_label(header, activation):
+    """How the path note names the activation sparsity: "0.2", or "auto (qkv 0.3, o 0.3, ...)"."""
+    if activation != "auto":
+        return f"{activation:g}"
+    return "auto (" + ", ".join(f"{p} {v:g}" for p, v in activation_levels(header, "auto").items()) + ")"
 
 
 @dataclass(frozen=True)

@@ -241,3 +241,109 @@ def test_activation_sparsity_needs_calibrated_thresholds(silu_file, tmp_path):
     assert np.isfinite(_decode(m, [5, 6, 7])).all()
     gu, down = m.counters.fractions()
     assert 0.6 < gu < 0.8 and 0.6 < down < 0.8, (gu, down)
+
+
+def test_converter_chooses_levels_within_the_perplexity_budget(act_file):
+    """convert --activation-thresholds records the level per projection (activation.choose): the
+    highest model-wide level within --max-ppl-increase, then greedy one-level steps that stay within
+    it; every configuration it measured is in the curve, the chosen one within the budget."""
+    from pinfer.converter.passes import activation as A
+    from pinfer.formats.reader import PinfReader
+    rec = PinfReader(act_file).header["sparsity"]["activation"]
+    budget, chosen, curve = rec["max_ppl_increase"], rec["chosen"], rec["curve"]
+    assert set(chosen) == set(A.PROJECTIONS) and budget == 0.01
+    uniform = curve[:len(A.LEVELS)]
+    assert [c["levels"] for c in uniform] == [dict.fromkeys(A.PROJECTIONS, s) for s in A.LEVELS]
+    best = max([0.0] + [s for s, c in zip(A.LEVELS, uniform) if c["ppl_increase"] <= budget])
+    assert min(chosen.values()) == best
+    if any(chosen.values()):
+        spent = next(c for c in curve if c["levels"] == chosen)["ppl_increase"]
+        assert spent <= budget
+    # a level drops about that share of each input (thresholds taken on the model as it runs)
+    for s, c in zip(A.LEVELS, uniform):
+        assert all(abs(d - s) < 0.05 for d in c["dropped"].values()), (s, c)
+
+
+def test_evaluate_is_the_reference_forward(act_file):
+    """activation.evaluate's NLL of a mixed configuration equals the layers run one by one through
+    layer_forward with the file's thresholds and the head's NLL of the second halves."""
+    torch = pytest.importorskip("torch")
+    from pinfer.converter.passes import activation as A
+    from pinfer.converter.passes import torch_llama as TL
+    from pinfer.formats.reader import PinfReader
+    fe = _source(act_file.with_name("silu.gguf"))
+    src, names, cfg = fe.src, fe.roles, fe.cfg
+    layers = PinfReader(act_file).header["layers"]
+    found = [{p: {float(k): v for k, v in lay["input_thresholds"][p].items()} for p in A.PROJECTIONS}
+             for lay in layers]
+    ids = np.random.default_rng(1).integers(3, cfg.vocab, (3, 24))
+    levels = {"qkv": 0.3, "o": 0.1, "gate_up": 0.0, "down": 0.5}
+    embed, head = TL.Embedding(src, names), TL.Head(src, names, cfg)
+    got = A.evaluate(src, names, cfg, ids, embed, head, found, {"mix": levels, "dense": {}})
+    rot = TL.Rotary(cfg, ids.shape[1])
+    for name, lv in (("mix", levels), ("dense", {})):
+        with torch.no_grad():
+            h = embed(ids)
+            for i in range(cfg.n_layer):
+                t = {p: found[i][p][s] for p, s in lv.items() if s}
+                h = A.layer_forward(h, TL.load_layer(src, names, i), cfg, rot, A.Sparsifier(t))
+            nll = head.nll(h[:, 12:-1].reshape(-1, cfg.d_model), torch.from_numpy(ids[:, 13:].reshape(-1))).mean()
+        # the same float32 operations in batches of 4 sequences against all 3 at once: the order of
+        # the matmuls' sums may differ, far under what a level moves (0.1% or more here)
+        assert got[name][0] == pytest.approx(float(nll), rel=1e-5)
+    assert got["mix"][1]["gate_up"] == 0 and 0.45 < got["mix"][1]["down"] < 0.55
+
+
+def test_activation_sparsity_auto_runs_the_chosen_levels(act_file, silu_file):
+    """--activation-sparsity auto reads each projection's chosen level: the FFN's thresholds are
+    those levels' thresholds, the path note names them; a file without a choice gets one sentence."""
+    from pinfer.formats.reader import PinfReader
+    from pinfer.runtime.model import Model, RuntimeOptions
+    header = PinfReader(act_file).header
+    chosen = header["sparsity"]["activation"]["chosen"]
+    m = Model(act_file, RuntimeOptions(activation="auto", kernels="on", sparsity="dense", threads=1))
+    for i, f in enumerate(m.ffns):
+        th = header["layers"][i]["input_thresholds"]
+        want_x = th["gate_up"][f"{chosen['gate_up']:g}"] if chosen["gate_up"] else 0.0
+        assert f.kernel.thr_x == pytest.approx(want_x)
+        assert float(f.threshold) == pytest.approx(th["down"][f"{chosen['down']:g}"] if chosen["down"] else 0.0)
+    said = "\n".join(n.describe() for n in m.notes)
+    assert "activation sparsity auto (qkv " in said, said
+    assert np.isfinite(_decode(m, [5, 6, 7])).all()
+    with pytest.raises(ValueError, match="records no activation sparsity level per projection"):
+        Model(silu_file, RuntimeOptions(activation="auto", kernels="on", sparsity="dense"))
+
+
+@pytest.mark.parametrize("record", [{"chosen": {"qkv": "x"}}, {"chosen": [0.2]}, {"chosen": {"qkv": 2.0, "o": 0.2,
+                                    "gate_up": 0.2, "down": 0.2}}, "junk", {"chosen": None}])
+def test_a_malformed_activation_record_gets_one_sentence(record, capsys):
+    """A stranger's file may say anything in sparsity.activation: --activation-sparsity auto and
+    pinfer inspect answer with one sentence, never a traceback."""
+    from pinfer.cli.inspect import _activation
+    from pinfer.runtime.sparse import activation_levels
+    with pytest.raises(ValueError, match="records no activation sparsity level per projection"):
+        activation_levels({"sparsity": {"activation": record}}, "auto")
+    _activation(record)
+    assert capsys.readouterr().out.strip() == "activation (the file's record of it is malformed)"
+
+
+def test_cli_inspect_and_generate_with_auto(act_file):
+    """pinfer inspect shows the chosen levels and the curve; generate runs them; a level that is
+    not a number is refused in one line."""
+    import subprocess
+    import sys
+
+    def pinfer(*args):
+        return subprocess.run([sys.executable, "-m", "pinfer", *map(str, args)], capture_output=True, text=True,
+                              timeout=300)
+    r = pinfer("inspect", act_file)
+    assert r.returncode == 0 and "(--activation-sparsity auto), within +1.0% of held-out PPL" in r.stdout, r.stdout
+    assert "levels 0.5 0.5 0.5 0.5" in r.stdout
+    r = pinfer("-v", "generate", act_file, "-p", "Hello", "-n", "4", "--temp", "0", "--activation-sparsity", "auto")
+    assert r.returncode == 0, r.stderr
+    # no timing against ONNX Runtime's graphs, which compute something else: prompts by columns too
+    assert "untimed: activation sparsity runs every projection by columns" in r.stderr, r.stderr
+    assert "dense graphs" not in r.stderr and "FFN: columns, activation sparsity auto (qkv" in r.stderr
+    r = pinfer("generate", act_file, "-p", "Hello", "-n", "4", "--activation-sparsity", "most")
+    assert r.returncode != 0 and "'most' is not a share of inputs such as 0.2, or auto" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -125,7 +125,7 @@ def _bundle_formats(src, names, i, quant, permuted, predictor_bytes):
 def run(src, names, cfg, tokenizer_spec, opts, quant):
     plan = _plan(src, names, cfg, tokenizer_spec, opts, quant)
     if opts.activation:
-        _activation_thresholds(src, names, cfg, tokenizer_spec, opts, plan.layers)
+        _activation_thresholds(src, names, cfg, tokenizer_spec, opts, plan)
     return plan
 
 
@@ -211,26 +211,35 @@ def _sparsity_record(result, choice, forced, opts, cs, device):
     }
 
 
-def _activation_thresholds(src, names, cfg, tokenizer_spec, opts, layers):
+def _activation_thresholds(src, names, cfg, tokenizer_spec, opts, plan):
     """Each layer's activation sparsity thresholds (header input_thresholds: activation.thresholds,
-    from the calibration text) into its LayerLayout's header entry."""
+    from the calibration text) into its LayerLayout's header entry, and the level per projection
+    that keeps held-out perplexity within --max-ppl-increase (activation.choose) into the header's
+    sparsity["activation"], for --activation-sparsity auto."""
     from pinfer.runtime.tokenizer import Tokenizer
 
     from . import activation, calib_data
     from . import torch_llama as TL
     t0 = time.perf_counter()
     cs = calib_data.build(Tokenizer.from_spec(tokenizer_spec), opts.calib, min(opts.seq_len, cfg.n_ctx_train),
-                          opts.calib_tokens or ACTIVATION_TOKENS, 0)
+                          opts.calib_tokens or ACTIVATION_TOKENS, opts.heldout_tokens)
     freqs = src.floats(names["rope_freqs"]) if "rope_freqs" in names else None
+    embed = TL.Embedding(src, names, "cpu", cfg.embed_scale)
     bar = _progress(cfg.n_layer, "activation thresholds")
-    found = activation.thresholds(src, names, cfg, cs.train, TL.Embedding(src, names, "cpu", cfg.embed_scale),
-                                  activation.LEVELS, freqs, opts.seed, lambda i: bar.update(1))
+    found = activation.thresholds(src, names, cfg, cs.train, embed, activation.LEVELS, freqs, opts.seed,
+                                  lambda i: bar.update(1))
     bar.close()
-    for lay, th in zip(layers, found):
+    for lay, th in zip(plan.layers, found):
         lay.info = {**(lay.info or {"mode": lay.mode, "value": lay.value, "order": "source"}),
                     "input_thresholds": {p: {f"{s:g}": t for s, t in ts.items()} for p, ts in th.items()}}
-    _log(f"activation thresholds: {cs.train.size} tokens of {cs.description.split(';')[0]} "
-         f"({time.perf_counter() - t0:.0f} s)")
+    t1 = time.perf_counter()
+    choice = activation.choose(src, names, cfg, found, cs.heldout, embed, TL.Head(src, names, cfg),
+                               opts.max_ppl_increase, freq_divisors=freqs,
+                               on_pass=lambda name: _log(f"activation sparsity: held-out perplexity, {name}"))
+    plan.sparsity = {**plan.sparsity, "activation": choice.header(opts.max_ppl_increase)}
+    _log(f"activation thresholds: {cs.train.size} tokens of {cs.description.split(';')[0]} ({t1 - t0:.0f} s); "
+         f"levels within +{opts.max_ppl_increase:.1%} perplexity on {cs.heldout.size} held-out tokens: "
+         + ", ".join(f"{p} {v:g}" for p, v in choice.chosen.items()) + f" ({time.perf_counter() - t1:.0f} s)")
 
 
 ACTIVATION_TOKENS = 4096     # calibration tokens of --activation-thresholds without --calib-tokens

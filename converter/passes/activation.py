@@ -14,6 +14,7 @@ at a time: the calibration stream and every evaluated configuration's stream go 
 before layer i + 1 is loaded, so each layer's weights are dequantized once.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 SAMPLE = 1 << 20            # |input| values kept per layer and projection for its quantiles
 PROBE_SEQS = 4              # calibration sequences each level's thresholds are taken from, per layer
 LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5)   # what convert --activation-thresholds records
+ROUNDS = 3                  # choose(): rounds of the greedy per-projection step past the model-wide level
 
 
 def projection_sizes(cfg, gated=True):
@@ -183,6 +185,85 @@ def run(src, names, cfg, train, evaluated, configs, embed, head, freq_divisors=N
             out[c.name] = (nll, {p: d / max(1, n) for p, (d, n) in taps[c.name].dropped.items()})
         head.release()
     return thresholds, out
+
+
+def evaluate(src, names, cfg, evaluated, embed, head, found, configs, freq_divisors=None, on_layer=None):
+    """One pass over the layers: {config name: (mean NLL of evaluated's second halves, {projection:
+    share of its inputs dropped})} for configs {name: {projection: level}} (absent or 0: dense), at
+    the thresholds found (per layer {projection: {level: t}}, thresholds())."""
+    rot = TL.Rotary(cfg, evaluated.shape[1], freq_divisors)
+    with torch.no_grad():
+        first_h = embed(evaluated)
+        streams = {n: first_h.clone() for n in configs}
+        taps = {n: Sparsifier({}) for n in configs}
+        for i in range(cfg.n_layer):
+            w = TL.load_layer(src, names, i)
+            for n, levels in configs.items():
+                taps[n].t = {p: found[i][p][lv] for p, lv in levels.items() if lv}
+                streams[n] = _batched(streams[n], w, cfg, rot, taps[n])
+            del w
+            if on_layer:
+                on_layer(i)
+        first = evaluated.shape[1] // 2
+        targets = torch.from_numpy(np.ascontiguousarray(evaluated[:, first + 1:]).reshape(-1))
+        out = {n: (float(head.nll(streams[n][:, first:-1].reshape(-1, cfg.d_model), targets).mean()),
+                   {p: d / max(1, k) for p, (d, k) in taps[n].dropped.items()}) for n in configs}
+        head.release()
+    return out
+
+
+@dataclass
+class Choice:
+    """choose()'s answer: the level per projection, the dense model's held-out NLL, and every
+    configuration evaluated on the way ([{"levels", "ppl_increase", "dropped"}], in order)."""
+    chosen: dict
+    dense_nll: float
+    curve: list
+
+    def header(self, max_increase):
+        return {"chosen": {p: self.chosen[p] for p in PROJECTIONS}, "max_ppl_increase": max_increase,
+                "dense_ppl": round(math.exp(self.dense_nll), 4), "curve": self.curve}
+
+
+def choose(src, names, cfg, found, evaluated, embed, head, max_increase, levels=LEVELS, freq_divisors=None,
+           rounds=ROUNDS, on_pass=None):
+    """The activation sparsity level of each projection within max_increase held-out perplexity:
+    the highest model-wide level that keeps it, then greedy steps, each raising by one level the
+    projection whose weight bytes saved per perplexity spent are the most among those that keep it
+    (up to `rounds` passes of the candidates). Each pass is evaluate() over the layers; on_pass(name)
+    before each."""
+    sizes, curve, dense = projection_sizes(cfg, "ffn_gate" in names), [], []
+
+    def run(configs, name):
+        """{config name: its held-out perplexity increase over dense}, each also in the curve."""
+        if on_pass:
+            on_pass(name)
+        res = evaluate(src, names, cfg, evaluated, embed, head, found, configs, freq_divisors)
+        if "dense" in res:
+            dense.append(res.pop("dense")[0])
+        out = {}
+        for n, (nll, dropped) in res.items():
+            out[n] = math.exp(nll - dense[0]) - 1
+            curve.append({"levels": dict(configs[n]), "ppl_increase": round(out[n], 5),
+                          "dropped": {p: round(d, 4) for p, d in dropped.items()}})
+        return out
+
+    inc = run({"dense": {}, **{f"{s:g}": dict.fromkeys(PROJECTIONS, s) for s in levels}}, "model-wide levels")
+    best = max([0.0] + [s for s in levels if inc[f"{s:g}"] <= max_increase])
+    chosen, spent = dict.fromkeys(PROJECTIONS, best), inc.get(f"{best:g}", 0.0)
+    for r in range(rounds):
+        steps = {p: {**chosen, p: nxt} for p in PROJECTIONS
+                 if (nxt := next((s for s in levels if s > chosen[p] + 1e-9), None)) is not None}
+        if not steps:
+            break
+        inc = run(steps, f"greedy step {r + 1}")
+        worth = {p: sizes[p][1] * (steps[p][p] - chosen[p]) / max(inc[p] - spent, 1e-6)
+                 for p in steps if inc[p] <= max_increase}
+        if not worth:
+            break
+        p = max(worth, key=worth.get)
+        chosen, spent = steps[p], inc[p]
+    return Choice(chosen, dense[0], curve)
 
 
 def _batched(h, w, cfg, rot, tap, rows=4):

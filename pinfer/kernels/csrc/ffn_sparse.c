@@ -1583,14 +1583,16 @@ static void cols_parts(void *p, int64_t r0, int64_t r1) {
    or -1 when memory is short (y then NaN). */
 static int64_t cols_run(const ffn_t *f, const float *x, int64_t n, float thr, float *y, int32_t *idx, float *val,
                         int threads) {
-    const int64_t d = f->d, ng = d / G, half = n / G / COL_PARTS * G;
+    const int64_t d = f->d, ng = d / G;
     int64_t s = 0, split = 0;
     for (int64_t j = 0; j < n; j++)
         if (fabsf(x[j]) >= thr && x[j] != 0.0f) {
-            split += j < half;
             idx[s] = (int32_t)j;
             val[s++] = x[j];
         }
+    /* the parts hold about as many kept inputs each (not as many inputs: where one half of x keeps
+       more, its thread would be the other's wait), split at a group of 32's start */
+    while (split < s && (split < s / 2 || (split > 0 && idx[split] / G == idx[split - 1] / G))) split++;
     float *y1 = malloc((size_t)d * sizeof(float));
     if (!y1) {
         memset(y, 0xff, (size_t)d * sizeof(float));
