@@ -21,10 +21,12 @@ def fused_ffn(model, i):
     formats or shapes the kernel lacks; --quant mixed splits."""
     rule, r, cfg, on_device = model.rules[i], model.reader, model.cfg, model.devices.on_device
     hot = model.plan.hot[i] if model.plan else 0
-    if model.options.activation:
-        return column_ffn(model, i, model.options.activation)
+    act = model.options.activation and activation_levels(r.header, model.options.activation)
+    if act and (act["gate_up"] or act["down"]):
+        return column_ffn(model, i, act)
     fused = model.use_kernels != "off" or hot or on_device   # the GPU's decode has no other FFN path
-    graph_dense = rule.rule.mode == "dense" and (model.use_kernels == "on" or not times_dense(model, i))
+    # an FFN at activation level 0 runs by rows, the kernel's dense mode as the C attention's layers do
+    graph_dense = rule.rule.mode == "dense" and not act and (model.use_kernels == "on" or not times_dense(model, i))
     if not fused or (graph_dense and not hot and not on_device) or kernel_refusal(r, cfg, i):
         return None
     try:
@@ -37,10 +39,11 @@ def fused_ffn(model, i):
     return LayerFfn(kernel, rule.rule.mode, thr, pthr)
 
 
-def column_ffn(model, i, level):
-    """Layer i's FFN by columns at activation sparsity `level` (RuntimeOptions.activation: S or auto): its
-    gate/up rows transposed into their own copy (the map's pages let go), down_t read as it is.
-    Raises ValueError, one sentence, where the layer or the options cannot run so."""
+def column_ffn(model, i, levels):
+    """Layer i's FFN by columns at activation sparsity `levels` ({projection: level}, as
+    sparse.activation_levels gives them): its gate/up rows transposed into their own copy (the map's
+    pages let go), down_t read as it is. Raises ValueError, one sentence, where the layer or the
+    options cannot run so."""
     r, cfg, opt, rule = model.reader, model.cfg, model.options, model.rules[i]
     if opt.kernels == "off" or model.devices.ffn != "cpu" or model.devices.on_device:
         raise ValueError("activation sparsity runs through pinfer's CPU kernels; drop --ffn-kernel off and "
@@ -48,7 +51,6 @@ def column_ffn(model, i, level):
     if rule.rule.mode not in ("dense", "down"):
         raise ValueError(f"activation sparsity replaces the dense and down rules, not {rule.rule.name}; "
                          "pass --sparsity dense with it")
-    levels = activation_levels(r.header, level)
     tx, th = (input_threshold(r.header, i, p, levels[p]) for p in ("gate_up", "down"))
     base = S.FFN_GATE_UP.format(i)
     fmt, parts = r.block(base)

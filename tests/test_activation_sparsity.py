@@ -347,3 +347,48 @@ def test_cli_inspect_and_generate_with_auto(act_file):
     r = pinfer("generate", act_file, "-p", "Hello", "-n", "4", "--activation-sparsity", "most")
     assert r.returncode != 0 and "'most' is not a share of inputs such as 0.2, or auto" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _with_chosen(src, dst, chosen):
+    """A copy of src whose header's chosen levels are `chosen`, in place (padded to the same length,
+    the preamble's digest made again), every tensor where it was."""
+    import hashlib
+    import json
+    import re
+
+    from pinfer.formats import schema as S
+    data = bytearray(src.read_bytes())
+    magic, ver, res, off, length, _ = S.PREAMBLE.unpack_from(data, 0)
+    blob = data[off:off + length].decode()
+    m = re.search(r'"chosen":\s*\{[^}]*\}', blob[blob.index('"activation":'):])
+    start = blob.index('"activation":')
+    new = '"chosen":' + json.dumps(chosen, separators=(",", ":"))
+    assert len(new) <= len(m.group(0))
+    blob = blob[:start + m.start()] + new.ljust(len(m.group(0))) + blob[start + m.end():]
+    data[off:off + length] = blob.encode()
+    S.PREAMBLE.pack_into(data, 0, magic, ver, res, off, length, hashlib.sha256(blob.encode()).digest())
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def test_a_projection_at_level_0_runs_by_rows(act_file, tmp_path):
+    """Under auto, a projection the converter left at level 0 reads its rows as dense decode does:
+    the FFN through the fused kernel's dense mode, the attention's projections without transposes."""
+    from pinfer.kernels import ColumnFFN, SparseFFN
+    from pinfer.runtime.model import Model, RuntimeOptions
+    opts = RuntimeOptions(activation="auto", kernels="on", sparsity="dense", threads=1)
+    attn = Model(_with_chosen(act_file, tmp_path / "attn.pinf", {"qkv": 0.3, "o": 0.3, "gate_up": 0, "down": 0}), opts)
+    assert all(isinstance(f.kernel, SparseFFN) and f.mode == "dense" for f in attn.ffns)
+    assert all(s.cols[0].q and s.cols[1].q for s in attn.native)
+    said = "\n".join(n.describe() for n in attn.notes)
+    assert "attention: C kernels, by columns; FFN: fused kernel, dense" in said, said
+    ffn = Model(_with_chosen(act_file, tmp_path / "ffn.pinf", {"qkv": 0, "o": 0, "gate_up": 0.3, "down": 0.3}), opts)
+    assert all(isinstance(f.kernel, ColumnFFN) for f in ffn.ffns)
+    assert not any(s.cols[0].q or s.cols[1].q for s in ffn.native)
+    ids = [5, 6, 7, 8]
+    # each is the dense model in the part at level 0: dense decode's logits (C attention, the fused
+    # kernel's dense mode: --ffn-kernel auto) where every projection is at 0
+    dense = Model(act_file, RuntimeOptions(sparsity="dense", threads=1))
+    zero = Model(_with_chosen(act_file, tmp_path / "zero.pinf", {"qkv": 0, "o": 0, "gate_up": 0, "down": 0}), opts)
+    assert np.array_equal(_decode(zero, ids), _decode(dense, ids))
+    assert np.isfinite(_decode(attn, ids)).all() and np.isfinite(_decode(ffn, ids)).all()
