@@ -33,8 +33,8 @@ from .common import fail_cleanly, verbose
 @click.option("--target-vram", type=float, default=11.0, show_default=True,
               help="GiB of GPU memory for the default placement plan.")
 @click.option("--calib-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where calibration and predictor training run: auto is the GPU where PyTorch sees one "
-                   "(one layer's weights and activations in its memory at a time).")
+              help="Where calibration, predictor training and --activation-thresholds run: auto is the GPU "
+                   "where PyTorch sees one (one layer's weights and activations in its memory at a time).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampling and predictor training.")
 @click.option("--no-early-check", is_flag=True,
               help="With --sparsity auto, calibrate fully even where a quick sample shows no sparse point can "

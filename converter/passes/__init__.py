@@ -224,8 +224,9 @@ def _activation_thresholds(src, names, cfg, tokenizer_spec, opts, plan):
     cs = calib_data.build(Tokenizer.from_spec(tokenizer_spec), opts.calib, min(opts.seq_len, cfg.n_ctx_train),
                           opts.calib_tokens or ACTIVATION_TOKENS, opts.heldout_tokens)
     freqs = src.floats(names["rope_freqs"]) if "rope_freqs" in names else None
-    embed = TL.Embedding(src, names, "cpu", cfg.embed_scale)
-    bar = _progress(cfg.n_layer, "activation thresholds")
+    device = calib_device(opts.calib_device)
+    embed = TL.Embedding(src, names, device, cfg.embed_scale)
+    bar = _progress(cfg.n_layer, f"activation thresholds on {_device_name(device)}")
     found = activation.thresholds(src, names, cfg, cs.train, embed, activation.LEVELS, freqs, opts.seed,
                                   lambda i: bar.update(1))
     bar.close()
@@ -233,7 +234,7 @@ def _activation_thresholds(src, names, cfg, tokenizer_spec, opts, plan):
         lay.info = {**(lay.info or {"mode": lay.mode, "value": lay.value, "order": "source"}),
                     "input_thresholds": {p: {f"{s:g}": t for s, t in ts.items()} for p, ts in th.items()}}
     t1 = time.perf_counter()
-    choice = activation.choose(src, names, cfg, found, cs.heldout, embed, TL.Head(src, names, cfg),
+    choice = activation.choose(src, names, cfg, found, cs.heldout, embed, TL.Head(src, names, cfg, device=device),
                                opts.max_ppl_increase, freq_divisors=freqs,
                                on_pass=lambda name: _log(f"activation sparsity: held-out perplexity, {name}"))
     plan.sparsity = {**plan.sparsity, "activation": choice.header(opts.max_ppl_increase)}

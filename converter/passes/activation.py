@@ -128,12 +128,12 @@ def thresholds(src, names, cfg, train, embed, levels=LEVELS, freq_divisors=None,
     shapes with random weights (an FFN input of +-1 everywhere) kept 0.0002% of the down projection's
     inputs at 0.4 with the dense model's, 43% with the FFN input's alone taken into account."""
     rng = np.random.default_rng(seed)
-    rot = TL.Rotary(cfg, train.shape[1], freq_divisors)
+    rot = TL.Rotary(cfg, train.shape[1], freq_divisors, embed.device)
     out = []
     with torch.no_grad():
         streams = {s: embed(train) for s in levels}
         for i in range(cfg.n_layer):
-            w, found = TL.load_layer(src, names, i), {}
+            w, found = TL.load_layer(src, names, i, embed.device), {}
             for s in levels:
                 h, tap = streams[s], Calibrating(s, rng)
                 probe = layer_forward(h[:PROBE_SEQS], w, cfg, rot, tap)
@@ -190,14 +190,14 @@ def run(src, names, cfg, train, evaluated, configs, embed, head, freq_divisors=N
 def evaluate(src, names, cfg, evaluated, embed, head, found, configs, freq_divisors=None, on_layer=None):
     """One pass over the layers: {config name: (mean NLL of evaluated's second halves, {projection:
     share of its inputs dropped})} for configs {name: {projection: level}} (absent or 0: dense), at
-    the thresholds found (per layer {projection: {level: t}}, thresholds())."""
-    rot = TL.Rotary(cfg, evaluated.shape[1], freq_divisors)
+    the thresholds found (per layer {projection: {level: t}}, thresholds()), on embed's device."""
+    rot = TL.Rotary(cfg, evaluated.shape[1], freq_divisors, embed.device)
     with torch.no_grad():
         first_h = embed(evaluated)
         streams = {n: first_h.clone() for n in configs}
         taps = {n: Sparsifier({}) for n in configs}
         for i in range(cfg.n_layer):
-            w = TL.load_layer(src, names, i)
+            w = TL.load_layer(src, names, i, embed.device)
             for n, levels in configs.items():
                 taps[n].t = {p: found[i][p][lv] for p, lv in levels.items() if lv}
                 streams[n] = _batched(streams[n], w, cfg, rot, taps[n])
