@@ -43,6 +43,8 @@ def command(ctx, model, n_prompt, n_gen, threads, repetitions, output, **kw):
     c = header["config"]
     size_mb = model.stat().st_size / 1e6
     sparsity = kw.get("sparsity") or ("dense" if kw.get("dense") else header["sparsity"].get("mode", "dense"))
+    if kw.get("activation"):
+        sparsity += f", activation {kw['activation']}"
     rows = [{"model": f"{c['arch']} {c['n_layer']}L d{c['d_model']}", "size_MB": round(size_mb, 1),
              "threads": r.threads, "test": r.test, "t/s": round(r.tps_mean, 2), "sd": round(r.tps_sd, 2),
              "sparsity": sparsity, "MB/token": round(r.bytes_per_token / 1e6, 1)} for r in results]

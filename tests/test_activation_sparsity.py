@@ -344,6 +344,8 @@ def test_cli_inspect_and_generate_with_auto(act_file):
     # no timing against ONNX Runtime's graphs, which compute something else: prompts by columns too
     assert "untimed: activation sparsity runs every projection by columns" in r.stderr, r.stderr
     assert "dense graphs" not in r.stderr and "FFN: columns, activation sparsity auto (qkv" in r.stderr
+    r = pinfer("bench", act_file, "-p", "0", "-n", "4", "-r", "1", "-t", "1", "-o", "json", "--activation-sparsity", "auto")
+    assert r.returncode == 0 and '"sparsity": "' in r.stdout and ', activation auto"' in r.stdout, r.stdout
     r = pinfer("generate", act_file, "-p", "Hello", "-n", "4", "--activation-sparsity", "most")
     assert r.returncode != 0 and "'most' is not a share of inputs such as 0.2, or auto" in r.stderr
     assert "Traceback" not in r.stderr
