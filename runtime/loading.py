@@ -179,5 +179,13 @@ def path_note(model):
 
 
 def note_paths(model):
-    """The model's notes with its path_note in place of an earlier one (the rules or paths changed)."""
+    """The model's notes with its path_note in place of an earlier one (the rules or paths changed),
+    and with activation sparsity the levels it runs (said without -v)."""
     model.notes[:] = [n for n in model.notes if not isinstance(n, PathNote)] + [path_note(model)]
+    act = model.options.activation
+    if act:
+        rec = model.reader.header["sparsity"].get("activation") if act == "auto" else None
+        said = f"activation sparsity {activation_label(model.reader.header, act)}"
+        if isinstance(rec, dict) and isinstance(rec.get("max_ppl_increase"), (int, float)):
+            said += f": the converter's choice within +{rec['max_ppl_increase']:.1%} held-out perplexity"
+        model.notes.append(PathNote(said + " (pinfer inspect shows what it measured)"))

@@ -309,6 +309,9 @@ def test_activation_sparsity_auto_runs_the_chosen_levels(act_file, silu_file):
         assert float(f.threshold) == pytest.approx(th["down"][f"{chosen['down']:g}"] if chosen["down"] else 0.0)
     said = "\n".join(n.describe() for n in m.notes)
     assert "activation sparsity auto (qkv " in said, said
+    loud = [n.describe() for n in m.notes if not n.quiet]      # said without -v
+    assert any(t.startswith("activation sparsity auto (qkv ") and "the converter's choice within +1.0% held-out "
+               "perplexity" in t for t in loud), loud
     assert np.isfinite(_decode(m, [5, 6, 7])).all()
     with pytest.raises(ValueError, match="records no activation sparsity level per projection"):
         Model(silu_file, RuntimeOptions(activation="auto", kernels="on", sparsity="dense"))
