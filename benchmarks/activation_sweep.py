@@ -80,8 +80,7 @@ def main(argv=None):
     if a.repeats < 5:
         ap.error("--repeats is at least 5: fewer alternations do not give a median worth a ratio")
     levels = [x if x == "auto" else float(x) for x in a.levels.split(",")]
-    if levels[0] != 0:
-        levels = [0.0] + levels
+    levels = [0.0] + [lv for lv in dict.fromkeys(levels) if lv != 0]      # dense first, each level once
     threads = [int(t) for t in a.threads.split(",")]
     text = a.file.read_text(encoding="utf-8")
     q = quality(a.model, levels, a.chunks, threads[0], text)

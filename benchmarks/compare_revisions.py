@@ -112,7 +112,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens timed")
     ap.add_argument("--activation", type=float, default=0.0, metavar="S",
-                    help="both sides at activation sparsity S (the file needs its thresholds)")
+                    help="both sides at activation sparsity S (the file needs its thresholds, and REV must "
+                         "have RuntimeOptions.activation: 211c001 or later)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

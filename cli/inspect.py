@@ -106,17 +106,20 @@ def command(ctx, path, as_json, tensors):
 
 
 def _activation(rec):
-    """The activation sparsity levels convert --activation-thresholds chose, and what it measured."""
+    """The activation sparsity levels convert --activation-thresholds chose, and what it measured
+    (a stranger's file may say anything there: one line saying so, nothing half printed)."""
     if rec is None:
         return
     try:
         levels = ", ".join(f"{p} {float(v):g}" for p, v in rec["chosen"].items())
-        click.echo(f"  activation {levels} (--activation-sparsity auto), within +{float(rec['max_ppl_increase']):.1%} "
-                   f"of held-out PPL {float(rec['dense_ppl']):.3f}")
+        lines = [f"  activation {levels} (--activation-sparsity auto), within +{float(rec['max_ppl_increase']):.1%} "
+                 f"of held-out PPL {float(rec['dense_ppl']):.3f}"]
         if rec.get("curve"):
-            click.echo("             measured (levels of qkv, o, gate_up, down):")
+            lines.append("             measured (levels of qkv, o, gate_up, down):")
         for row in rec.get("curve", []):
             lv = " ".join(f"{float(v):g}" for v in row["levels"].values())
-            click.echo(f"             levels {lv:<16} held-out PPL {float(row['ppl_increase']):+.2%}")
-    except (AttributeError, KeyError, TypeError, ValueError):
-        click.echo("  activation (the file's record of it is malformed)")
+            lines.append(f"             levels {lv:<16} held-out PPL {float(row['ppl_increase']):+.2%}")
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
+        lines = ["  activation (the file's record of it is malformed)"]
+    for line in lines:
+        click.echo(line)

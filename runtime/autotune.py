@@ -122,10 +122,12 @@ def choose_paths(model):
     KEEP_BELOW of the graph's. Returns the PathChoice records (then the PrefillChoice, where a
     kernel stays: prompts of up to prefill_by_token tokens take its batch call)."""
     from . import loading       # here: loading imports this module's PREFILL_SIZES
-    if model.options.activation:
+    if model.options.activation:        # no graph computes what its layers do: nothing to time them against
+        if not (all(s is not None for s in model.native) and all(model.ffns)):
+            return []       # a layer the C kernels do not take: prompts through the graphs (the path note says which)
         return [PrefillChoice((), PREFILL_SIZES[-1], untimed=True, why=(
-            "activation sparsity runs every projection by columns, which no graph does (a prompt token then "
-            "computes what a decoded one does)"))]
+            "with activation sparsity every layer runs through the C kernels, so a prompt token computes what a "
+            "decoded one does (loading.drop_graphs)"))]
     groups = {}
     for i, f in enumerate(model.ffns):
         if f is not None:

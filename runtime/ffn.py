@@ -22,18 +22,26 @@ def fused_ffn(model, i):
     rule, r, cfg, on_device = model.rules[i], model.reader, model.cfg, model.devices.on_device
     hot = model.plan.hot[i] if model.plan else 0
     act = model.options.activation and activation_levels(r.header, model.options.activation)
-    if act and (act["gate_up"] or act["down"]):
-        return column_ffn(model, i, act)
+    if act:
+        if rule.rule.mode not in ("dense", "down"):
+            raise ValueError(f"activation sparsity replaces the dense and down rules, not {rule.rule.name}; "
+                             "pass --sparsity dense with it")
+        if act["gate_up"] or act["down"]:
+            return column_ffn(model, i, act)
+    # an FFN at activation level 0 runs by rows, the kernel's dense mode (the converter measured its
+    # levels with a dense FFN), as the C attention's layers do
+    mode = "dense" if act else rule.rule.mode
     fused = model.use_kernels != "off" or hot or on_device   # the GPU's decode has no other FFN path
-    # an FFN at activation level 0 runs by rows, the kernel's dense mode as the C attention's layers do
-    graph_dense = rule.rule.mode == "dense" and not act and (model.use_kernels == "on" or not times_dense(model, i))
+    graph_dense = mode == "dense" and not act and (model.use_kernels == "on" or not times_dense(model, i))
     if not fused or (graph_dense and not hot and not on_device) or kernel_refusal(r, cfg, i):
         return None
     try:
-        kernel = layer_kernel(model, i, rule.rule.mode)
+        kernel = layer_kernel(model, i, mode)
     except ValueError as e:     # a format or shape the kernel lacks: the graph runs it (loading.path_note says why)
         rule.refusal = str(e)
         return None
+    if act:
+        return LayerFfn(kernel, "dense")
     thr = float(rule.threshold) if rule.threshold is not None else 0.0
     pthr = float(rule.pred[3]) if rule.pred is not None else 0.0
     return LayerFfn(kernel, rule.rule.mode, thr, pthr)
@@ -44,13 +52,10 @@ def column_ffn(model, i, levels):
     sparse.activation_levels gives them): its gate/up rows transposed into their own copy (the map's
     pages let go), down_t read as it is. Raises ValueError, one sentence, where the layer or the
     options cannot run so."""
-    r, cfg, opt, rule = model.reader, model.cfg, model.options, model.rules[i]
+    r, cfg, opt = model.reader, model.cfg, model.options
     if opt.kernels == "off" or model.devices.ffn != "cpu" or model.devices.on_device:
         raise ValueError("activation sparsity runs through pinfer's CPU kernels; drop --ffn-kernel off and "
                          "run the FFN on the CPU (--device cpu)")
-    if rule.rule.mode not in ("dense", "down"):
-        raise ValueError(f"activation sparsity replaces the dense and down rules, not {rule.rule.name}; "
-                         "pass --sparsity dense with it")
     tx, th = (input_threshold(r.header, i, p, levels[p]) for p in ("gate_up", "down"))
     base = S.FFN_GATE_UP.format(i)
     fmt, parts = r.block(base)

@@ -4,11 +4,13 @@ the note that says them): no other module assigns a model's per-layer lists (tes
 
 import ctypes
 import functools
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from pinfer.formats import schema as S
+from pinfer.kernels import ColumnFFN
 
 from . import native
 from .autotune import PREFILL_SIZES
@@ -163,8 +165,8 @@ def path_note(model):
             attn = f"ONNX Runtime ({why})"
         entry = model.ffns[i] if model.ffns else None
         if entry is not None:
-            ffn = (f"columns, activation sparsity {activation_label(r.header, opt.activation)}" if opt.activation and entry.mode != "dense"
-                   else f"fused kernel, {entry.mode}")
+            ffn = (f"columns, activation sparsity {activation_label(r.header, opt.activation)}"
+                   if isinstance(entry.kernel, ColumnFFN) else f"fused kernel, {entry.mode}")
         else:
             why = (model.rules[i].refusal or kernel_refusal(r, cfg, i)
                    or ("--ffn-kernel off" if opt.kernels == "off" else "ONNX Runtime's dense path, as the load chose"))
@@ -186,6 +188,7 @@ def note_paths(model):
     if act:
         rec = model.reader.header["sparsity"].get("activation") if act == "auto" else None
         said = f"activation sparsity {activation_label(model.reader.header, act)}"
-        if isinstance(rec, dict) and isinstance(rec.get("max_ppl_increase"), (int, float)):
-            said += f": the converter's choice within +{rec['max_ppl_increase']:.1%} held-out perplexity"
+        budget = rec.get("max_ppl_increase") if isinstance(rec, dict) else None
+        if isinstance(budget, float) and math.isfinite(budget):     # a stranger's file: a float, or nothing said
+            said += f": the converter's choice within +{budget:.1%} held-out perplexity"
         model.notes.append(PathNote(said + " (pinfer inspect shows what it measured)"))

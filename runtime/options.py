@@ -68,8 +68,9 @@ class RuntimeOptions:
             raise ValueError(f"KV cache type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.vram_budget is not None and not self.vram_budget >= 0:
             raise ValueError(f"--vram-budget {self.vram_budget:g} GiB is negative; give the GiB the GPU may use")
-        if self.activation != "auto" and not 0.0 <= self.activation < 1.0:
-            raise ValueError(f"activation sparsity {self.activation:g} is not a share of inputs from 0 (off) "
+        act = self.activation
+        if act != "auto" and not (isinstance(act, (int, float)) and 0.0 <= act < 1.0):
+            raise ValueError(f"activation sparsity {self.activation!r} is not auto or a share of inputs from 0 (off) "
                              "to below 1, e.g. 0.3")
         if self.n_ctx < 0 or self.threads < 0:
             raise ValueError("the context size and the thread count are 0 (the default) or more")

@@ -229,8 +229,10 @@ def test_activation_sparsity_needs_calibrated_thresholds(silu_file, tmp_path):
     from pinfer.runtime.model import Model, RuntimeOptions
     with pytest.raises(ValueError, match="has no thresholds .*for activation sparsity 0.3 .*--activation-thresholds"):
         Model(silu_file, RuntimeOptions(activation=0.3, kernels="on"))     # calibrated, but without them
-    with pytest.raises(ValueError, match="not a share of inputs"):
+    with pytest.raises(ValueError, match="is not auto or a share of inputs"):
         RuntimeOptions(activation=1.5)
+    with pytest.raises(ValueError, match="'most' is not auto or a share of inputs"):
+        RuntimeOptions(activation="most")       # through the API, not the CLI's parser: one sentence too
     # --activation-thresholds records them without the rest of calibration; the layers stay dense
     (tmp_path / "recorded").mkdir()
     recorded = convert_tiny_silu(tmp_path / "recorded", sparsity="none", activation=True)
@@ -330,6 +332,16 @@ def test_a_malformed_activation_record_gets_one_sentence(record, capsys):
     assert capsys.readouterr().out.strip() == "activation (the file's record of it is malformed)"
 
 
+@pytest.mark.parametrize("record", [
+    {"chosen": {"qkv": 0.2}, "max_ppl_increase": 10 ** 400, "dense_ppl": 1},        # JSON's unbounded ints
+    {"chosen": {"qkv": 0.2}, "max_ppl_increase": 0.01, "dense_ppl": 17.0,
+     "curve": [{"levels": {"qkv": 0.2}, "ppl_increase": 0.1}, {"levels": 5}]}])     # a bad row after a good one
+def test_inspect_prints_a_malformed_record_as_one_line_only(record, capsys):
+    from pinfer.cli.inspect import _activation
+    _activation(record)
+    assert capsys.readouterr().out.strip() == "activation (the file's record of it is malformed)"
+
+
 def test_cli_inspect_and_generate_with_auto(act_file):
     """pinfer inspect shows the chosen levels and the curve; generate runs them; a level that is
     not a number is refused in one line."""
@@ -345,7 +357,7 @@ def test_cli_inspect_and_generate_with_auto(act_file):
     r = pinfer("-v", "generate", act_file, "-p", "Hello", "-n", "4", "--temp", "0", "--activation-sparsity", "auto")
     assert r.returncode == 0, r.stderr
     # no timing against ONNX Runtime's graphs, which compute something else: prompts by columns too
-    assert "untimed: activation sparsity runs every projection by columns" in r.stderr, r.stderr
+    assert "untimed: with activation sparsity every layer runs through the C kernels" in r.stderr, r.stderr
     assert "dense graphs" not in r.stderr and "FFN: columns, activation sparsity auto (qkv" in r.stderr
     r = pinfer("bench", act_file, "-p", "0", "-n", "4", "-r", "1", "-t", "1", "-o", "json", "--activation-sparsity", "auto")
     assert r.returncode == 0 and '"sparsity": "' in r.stdout and ', activation auto"' in r.stdout, r.stdout
@@ -387,6 +399,11 @@ def test_a_projection_at_level_0_runs_by_rows(act_file, tmp_path):
     assert all(s.cols[0].q and s.cols[1].q for s in attn.native)
     said = "\n".join(n.describe() for n in attn.notes)
     assert "attention: C kernels, by columns; FFN: fused kernel, dense" in said, said
+    # the file's own down rule is what activation sparsity replaces: the FFN at 0 is dense, not down:S
+    assert {r.rule.mode for r in attn.rules} <= {"dense", "down"}
+    own = Model(tmp_path / "attn.pinf", RuntimeOptions(activation="auto", kernels="on", threads=1))
+    assert any(r.rule.mode == "down" for r in own.rules), [r.rule.name for r in own.rules]
+    assert all(f.mode == "dense" for f in own.ffns)
     ffn = Model(_with_chosen(act_file, tmp_path / "ffn.pinf", {"qkv": 0, "o": 0, "gate_up": 0.3, "down": 0.3}), opts)
     assert all(isinstance(f.kernel, ColumnFFN) for f in ffn.ffns)
     assert not any(s.cols[0].q or s.cols[1].q for s in ffn.native)
