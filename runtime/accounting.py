@@ -10,19 +10,21 @@ _DOWN = (S.FFN_DOWN_T, S.FFN_DOWN_T_COLD)
 _PREDICTOR = (S.FFN_PRED_W1, S.FFN_PRED_W2, S.FFN_PRED_B2)
 
 
-def weight_bytes_per_token(reader, cfg, shares=(1.0, 1.0), predictor_layers=()):
+def weight_bytes_per_token(reader, cfg, shares=(1.0, 1.0), predictor_layers=(), tensor_shares=None):
     """Bytes of weights one decode step reads: every layer's and the head's, one embedding row
     (the table when it is also the LM head); of the FFN rows, the shares (gate/up, down) read; the
-    predictors of `predictor_layers` only."""
-    kind = {}
+    predictors of `predictor_layers` only; of a tensor in tensor_shares ({base name: share}, e.g.
+    attention_shares()), that share."""
+    kind, tensor_shares = {}, tensor_shares or {}
     for i in range(cfg.n_layer):
         for names, k in ((_GATE_UP, 0), (_DOWN, 1), (_PREDICTOR, 2 if i in predictor_layers else 3)):
             kind.update({t.format(i): k for t in names})
     total = 0.0
     for n, e in reader.tensors.items():
         if n.startswith("blk."):
-            k = kind.get(n if n in kind else n.rsplit(".", 1)[0])
-            total += e["nbytes"] * (shares[k] if k in (0, 1) else 0.0 if k == 3 else 1.0)
+            base = n if n in kind or n in tensor_shares else n.rsplit(".", 1)[0]
+            k = kind.get(base)
+            total += e["nbytes"] * (shares[k] if k in (0, 1) else 0.0 if k == 3 else tensor_shares.get(base, 1.0))
         elif n == S.OUTPUT_NORM or n.startswith(S.OUTPUT + "."):
             total += e["nbytes"]
     embd = sum(e["nbytes"] for n, e in reader.tensors.items() if n.startswith(S.TOKEN_EMBD + "."))
@@ -56,3 +58,23 @@ def memory_note(tensors, cfg, n_ctx, kv_bytes):
     held = held_bytes(tensors, cfg.tied_embeddings)
     return Note(f"memory: the weights once, {held / 1e9:.2f} GB, and a {n_ctx}-token KV cache, {kv_bytes / 1e9:.2f} "
                 f"GB: about {expected_bytes(tensors, cfg.tied_embeddings, kv_bytes) / 1e9:.2f} GB in all")
+
+
+def attention_shares(model):
+    """{q/k/v's or the output's weight: the share of its rows read} of the layers whose attention
+    runs by columns (activation sparsity), from the inputs they kept (Counters.attn_kept) over the
+    tokens the FFN counters saw since their reset (each layer's FFN counts n_ff rows a token)."""
+    native, c, cfg = model.native, model.counters, model.cfg
+    layers = sum(f is not None for f in model.ffns) if model.ffns else 0
+    tokens = c.full / (cfg.n_ff * layers) if layers else 0
+    out = {}
+    if not tokens:
+        return out
+    for i, step in enumerate(native):
+        if step is None:
+            continue
+        for k, (base, width) in enumerate(((S.ATTN_QKV.format(i), cfg.d_model),
+                                           (S.ATTN_OUT.format(i), cfg.n_head * cfg.head_dim))):
+            if step.cols[k].q:
+                out[base] = min(1.0, c.attn_kept[i, k] / (tokens * width))
+    return out

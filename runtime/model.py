@@ -64,13 +64,13 @@ class Model:
             self.downs = [None] * cfg.n_layer if dv.on_device else \
                 self.load_map(lambda i: down_projection(r, cfg, i, self.threads), cfg.n_layer)
         self.attn = self.layers if dv.on_device else None   # attention-only sessions, made on first need
-        self.counters = Counters()
+        self.counters = Counters(cfg.n_layer)
         self.attention = AttentionState(cfg, self.n_ctx, dv.act_dtype, dv.act_at,
                                         r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None, dv.kv_dtype)
         self.attention.bind(self.layers)
         # decode's attention and head through pinfer's C kernels where they cover the layer (native.py)
         ok = options.dense_kernel == "on" and dv.act_at == "cpu" and dv.act_dtype == np.float32
-        self.native = native.attention_steps(r, cfg, self.threads, self.load_map, options.activation) if ok else [None] * cfg.n_layer
+        self.native = native.attention_steps(r, cfg, self.threads, self.load_map, options.activation, self.counters.attn_kept) if ok else [None] * cfg.n_layer
         self.native_head = native.head(r, cfg, self.threads) if ok else None
         dv.loaded(self.attention.kv_bytes)
         self._head_shape = None  # the row count the head's buffers are bound for
@@ -134,7 +134,7 @@ class Model:
         before any call): on the NumPy-rule path every FFN row, with the fused kernel the rows it keeps."""
         return accounting.weight_bytes_per_token(
             self.reader, self.cfg, self.counters.read_fractions(),
-            {i for i, r in enumerate(self.rules) if S.MODES[r.rule.mode].uses_predictor})
+            {i for i, r in enumerate(self.rules) if S.MODES[r.rule.mode].uses_predictor}, accounting.attention_shares(self))
 
     @property
     def sparsity_names(self):

@@ -32,11 +32,12 @@ def refusal(reader, cfg, i=None):
     return None if fmts <= set(LINEAR_FORMATS) else f"attention weights in {sorted(map(str, fmts))}"
 
 
-def attention_steps(reader, cfg, threads, load_map, activation=0.0):
+def attention_steps(reader, cfg, threads, load_map, activation=0.0, kept=None):
     """Per layer an AttentionStep, or None where refusal() says why not, made by load_map (the
     model's: several layers at a time). The steps read their own copies of the weights
     (PinfReader.release says why); with activation sparsity (RuntimeOptions.activation) the q/k/v
-    and output projections by columns, transposed (columns())."""
+    and output projections by columns, transposed (columns()), counting the inputs they keep into
+    kept[i] ((n_layer, 2) int64: Counters.attn_kept)."""
     def optional(name):
         return reader.tensor(name) if name in reader.tensors else None
 
@@ -55,7 +56,8 @@ def attention_steps(reader, cfg, threads, load_map, activation=0.0):
             down_bias=optional(S.FFN_DOWN_BIAS.format(i)), q_norm=optional(S.ATTN_Q_NORM.format(i)),
             k_norm=optional(S.ATTN_K_NORM.format(i)), post_norm=optional(S.ATTN_POST_NORM.format(i)),
             delta_norm=optional(S.FFN_POST_NORM.format(i - 1)) if i else None,
-            window=window(cfg, i), threads=threads, qkv_t=qkv[1], out_t=out[1])
+            window=window(cfg, i), threads=threads, qkv_t=qkv[1], out_t=out[1],
+            kept=kept[i] if kept is not None else None)
     return load_map(step, cfg.n_layer)
 
 

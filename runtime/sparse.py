@@ -102,15 +102,19 @@ class LayerFfn:
 
 class Counters:
     """FFN rows summed over layers and tokens: those the rules keep (gate/up: the candidates; down:
-    the survivors) and those actually read from memory, which differ on the NumPy-rule path."""
+    the survivors) and those actually read from memory, which differ on the NumPy-rule path. With
+    activation sparsity, attn_kept[i] = the inputs layer i's q/k/v and output calls by columns kept
+    (the C attention adds to its row in place)."""
 
-    def __init__(self):
+    def __init__(self, n_layer=0):
+        self.attn_kept = np.zeros((n_layer, 2), np.int64)
         self.reset()
 
     def reset(self):
         self.gate_up = self.down = 0            # kept by the rules
         self.read_gate_up = self.read_down = 0  # read
         self.full = 0
+        self.attn_kept[...] = 0                 # in place: the bound calls point into it
 
     def add(self, gate_up, down, read_gate_up, read_down, full):
         self.gate_up += gate_up

@@ -201,14 +201,24 @@ def test_activation_sparsity_decodes_as_the_reference_drops(act_file):
     fe = _source(act_file.with_name("silu.gguf"))
     src, names, cfg = fe.src, fe.roles, fe.cfg
     embed, head, rot = TL.Embedding(src, names), TL.Head(src, names, cfg), TL.Rotary(cfg, len(ids))
-    refs = {}
+    refs, taps = {}, []
     with torch.no_grad():
         for name, level in (("sparse", "0.3"), ("dense", None)):
             h = embed(np.asarray([ids]))
             for i in range(cfg.n_layer):
                 t = {p: layers[i]["input_thresholds"][p][level] for p in A.PROJECTIONS} if level else {}
-                h = A.layer_forward(h, TL.load_layer(src, names, i), cfg, rot, A.Sparsifier(t))
+                taps.append(A.Sparsifier(t))
+                h = A.layer_forward(h, TL.load_layer(src, names, i), cfg, rot, taps[-1])
             refs[name] = head.logits(h)[0].numpy()
+    # the attention's inputs kept, as the runtime counts them (Counters.attn_kept) and as the reference
+    # drops them, per layer and projection: the same decisions but where an input lies within float32
+    # rounding of its threshold (x is computed in another order), so within 2% of the inputs
+    from pinfer.runtime.accounting import attention_shares
+    shares = attention_shares(m)
+    for i in range(cfg.n_layer):
+        for p, base in (("qkv", f"blk.{i}.attn_qkv"), ("o", f"blk.{i}.attn_output")):
+            dropped, total = taps[i].dropped[p]
+            assert abs(shares[base] - (1 - dropped / total)) < 0.02, (i, p, shares[base], dropped / total)
     spread = np.abs(refs["sparse"]).max()
     top1 = {k: (got.argmax(-1) == r.argmax(-1)).mean() for k, r in refs.items()}
     # int8 activations and the f16 KV cache against float32 (dense against dense: 2% of the range at

@@ -33,7 +33,7 @@ class _AttnCall(ctypes.Structure):
         [(n, P) for n in ("resid", "delta", "resid_out", "x_out", "work")] + [("threads", ctypes.c_int),
                                                                              ("kv_f16", ctypes.c_int)] + \
         [(n, P) for n in ("q_norm", "k_norm", "post_norm", "delta_norm")] + [("window", I64)] + \
-        [("qkv_c", _Cols), ("out_c", _Cols)]
+        [("qkv_c", _Cols), ("out_c", _Cols), ("kept", P)]
 
 
 class _HeadCall(ctypes.Structure):
@@ -90,12 +90,13 @@ class AttentionStep:
 
     def __init__(self, qkv, out, attn_norm, ffn_norm, *, n_head, n_kv, head_dim, rot, interleaved, eps,
                  scale=0.0, softcap=0.0, qkv_bias=None, out_bias=None, down_bias=None, q_norm=None, k_norm=None,
-                 post_norm=None, delta_norm=None, window=0, threads=1, qkv_t=None, out_t=None):
+                 post_norm=None, delta_norm=None, window=0, threads=1, qkv_t=None, out_t=None, kept=None):
         """q_norm, k_norm (head_dim): per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3);
         post_norm (d): RMSNorm of the attention's output (Gemma); delta_norm (d): RMSNorm of delta before
         it joins resid (the previous layer's post-FFN norm, Gemma); window: attend to the last `window`
         positions at most (0: all). qkv_t, out_t: (fmt, parts, threshold) of the projection
-        transposed, run by columns (activation sparsity) in place of qkv's or out's rows (then None)."""
+        transposed, run by columns (activation sparsity) in place of qkv's or out's rows (then None);
+        kept: a (2,) int64 array the calls add the inputs they keep to (q/k/v's, the output's)."""
         d = len(attn_norm)
         if window < 0:
             raise ValueError(f"an attention window of {window} positions")
@@ -123,6 +124,9 @@ class AttentionStep:
         self.shape = dict(d=d, n_head=n_head, n_kv=n_kv, hd=head_dim, rot=rot)
         self.params = dict(eps=eps, scale=scale or head_dim ** -0.5, softcap=softcap, interleaved=int(interleaved))
         self.threads = threads
+        # by columns: the inputs q/k/v's and the output's calls kept, added to in place
+        self.kept = np.zeros(2, np.int64) if kept is None else kept
+        _buffer(self.kept, 2, "kept", np.int64)
 
     def bind(self, resid, delta, resid_out, x_out, k_cache, v_cache, cos, sin, total, back=0):
         """Fix the buffers (float32; k/v_cache (1, n_kv, n_ctx, head_dim) float32 or float16, both
@@ -169,7 +173,7 @@ class AttentionStep:
                          *(_buffer(a, nt * d, name) for a, name in ((resid, "resid"), (delta, "delta"),
                                                                     (resid_out, "resid_out"), (x_out, "x_out"))),
                          None, self.threads, int(kv == np.float16), *(ptr(v) for v in self.extra), self.window,
-                         *self.cols)
+                         *self.cols, self.kept.ctypes.data)
         ref = ctypes.byref(call)
         need = _lib.pinfer_attn_work(ref, nt)
         if len(self.work) < need:       # calls bound before keep the smaller buffer they point into

@@ -65,6 +65,7 @@ typedef struct {
     /* activation sparsity: the q/k/v and output projections by columns (their inputs under thr
        dropped), in place of qkv's and out's rows (whose bias, rows and k still count); q NULL: rows */
     cols_t qkv_c, out_c;
+    int64_t *kept;                      /* NULL, or kept[0] += q/k/v's inputs kept, kept[1] += the output's */
 } attn_call_t;
 
 typedef struct {
@@ -266,9 +267,11 @@ static void linear(const linear_t *w, const float *x, float *y, int64_t nt, floa
 /* linear() by columns: each token's kept inputs times their rows of c (shape and bias w's);
    scratch: w->k int32 and w->k floats. */
 static void cols_linear(const cols_t *c, const linear_t *w, const float *x, float *y, int64_t nt, float *scratch,
-                        int threads) {
+                        int threads, int64_t *kept) {
     for (int64_t t = 0; t < nt; t++) {
-        pinfer_cols_run(c, w->k, w->rows, x + t * w->k, y + t * w->rows, (int32_t *)scratch, scratch + w->k, threads);
+        const int64_t s = pinfer_cols_run(c, w->k, w->rows, x + t * w->k, y + t * w->rows, (int32_t *)scratch,
+                                          scratch + w->k, threads);
+        if (kept && s > 0) *kept += s;
         if (w->bias)
             for (int64_t r = 0; r < w->rows; r++) y[t * w->rows + r] += w->bias[r];
     }
@@ -575,7 +578,7 @@ static void attn_tokens(const attn_call_t *a, int64_t nt, int64_t pos0, int thre
         for (int64_t i = 0; i < d; i++) r[i] = a->resid[t * d + i] + dt[i];
         rms_norm(r, a->attn_norm, a->eps, d, x + t * d);
     }
-    if (a->qkv_c.q) cols_linear(&a->qkv_c, &a->qkv, x, qkv, nt, cbuf, threads);
+    if (a->qkv_c.q) cols_linear(&a->qkv_c, &a->qkv, x, qkv, nt, cbuf, threads, a->kept);
     else linear(&a->qkv, x, qkv, nt, qbuf, threads, isa);
     for (int64_t t = 0; t < nt; t++) rope_store(a, qkv + t * a->qkv.rows, pos0 + t);
     for (int64_t t = 0; t < nt; t++) {
@@ -583,7 +586,7 @@ static void attn_tokens(const attn_call_t *a, int64_t nt, int64_t pos0, int thre
         heads_t h = {a, qkv + t * a->qkv.rows, att + t * a->out.k, scores, pos + 1, isa};
         pinfer_parallel(a->n_head * (pos + 1) * hd >= PARALLEL_WORK / 4 ? threads : 1, a->n_head, heads, &h);
     }
-    if (a->out_c.q) cols_linear(&a->out_c, &a->out, att, x, nt, cbuf, threads);
+    if (a->out_c.q) cols_linear(&a->out_c, &a->out, att, x, nt, cbuf, threads, a->kept ? a->kept + 1 : NULL);
     else linear(&a->out, att, x, nt, qbuf, threads, isa);
     for (int64_t t = 0; t < nt; t++) {
         float *r = a->resid_out + t * d;
