@@ -12,8 +12,7 @@ thread count. Decode: --tokens steps fed with wikitext-2 tokens (the kept inputs
 tokens), every level loaded at once and run in turn, --repeats times, the order reversed every
 other round; medians and ranges, and the ratio to level 0 in the same run. The cost of the
 thresholds and of skipping is inside those times. "MB/token" counts every weight a step reads,
-the FFN's rows at the shares measured and the attention's in full (its kept share is not counted
-yet). Memory: every level holds its own transposed copies, so a 7B-shaped file takes about 4 GB a
+the FFN's and the attention's rows at the shares they kept. Memory: every level holds its own transposed copies, so a 7B-shaped file takes about 4 GB a
 level.
 """
 
