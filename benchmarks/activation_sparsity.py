@@ -3,10 +3,13 @@
     python benchmarks/activation_sparsity.py MODEL.gguf|HF_DIR [--chunks 16] [--levels 0.1,0.2,0.3,0.4,0.5]
 
 Thresholds per layer and projection come from the converter's calibration text (never the
-evaluation text); perplexity is llama.cpp's protocol (chunks of --ctx tokens of the wikitext-2
-test text, the second half of each scored) computed in PyTorch from the source's dequantized
-weights. Rows: dense; every projection at one level; each projection alone at --alone; and
-`--greedy`'s allocation where asked. "skipped" is the share of the projections' weights whose
+evaluation text), taken as the converter takes them (activation.thresholds: on the model as it runs
+at each level); perplexity is llama.cpp's protocol (chunks of --ctx tokens of the wikitext-2 test
+text, the second half of each scored) computed in PyTorch from the source's dequantized weights
+(activation.evaluate). Rows: dense; every projection at one level; each projection alone at
+--alone. `pinfer convert --activation-thresholds` chooses among such rows on its own held-out text,
+and `benchmarks/activation_sweep.py` measures a converted file through the runtime. "skipped" is
+the share of the projections' weights whose
 input columns were dropped, measured on the evaluation text: the bytes a column-skipping kernel
 does not read, model-wide (the head and embeddings excluded).
 """
@@ -67,15 +70,18 @@ def main(argv=None):
     cs = calib_data.build(tok, None, a.ctx, a.calib_tokens, a.ctx)
     ev = chunks_of(tok, a.file.read_text(encoding="utf-8"), a.ctx, a.chunks)
     levels = [float(x) for x in a.levels.split(",") if x]
-    configs = [A.Config("dense", {})]
-    configs += [A.Config(f"all {s:g}", {p: s for p in A.PROJECTIONS}) for s in levels]
+    configs = {"dense": {}, **{f"all {s:g}": dict.fromkeys(A.PROJECTIONS, s) for s in levels}}
     if a.alone:
-        configs += [A.Config(f"{p} {a.alone:g}", {p: a.alone}) for p in A.PROJECTIONS]
+        configs.update({f"{p} {a.alone:g}": {p: a.alone} for p in A.PROJECTIONS})
     freqs = src.floats(names["rope_freqs"]) if "rope_freqs" in names else None
     embed, head = TL.Embedding(src, names, "cpu", cfg.embed_scale), TL.Head(src, names, cfg)
     t0 = time.perf_counter()
-    _, res = A.run(src, names, cfg, cs.train, ev, configs, embed, head, freqs,
-                   on_layer=lambda i: print(f"\rlayer {i + 1}/{cfg.n_layer}", end="", file=sys.stderr, flush=True))
+
+    def progress(what):
+        return lambda i: print(f"\r{what}: layer {i + 1}/{cfg.n_layer}", end="", file=sys.stderr, flush=True)
+    found = A.thresholds(src, names, cfg, cs.train, embed, sorted({*levels, *([a.alone] if a.alone else [])}),
+                         freqs, on_layer=progress("thresholds"))
+    res = A.evaluate(src, names, cfg, ev, embed, head, found, configs, freqs, on_layer=progress("evaluation"))
     print(file=sys.stderr)
     sizes = A.projection_sizes(cfg, "ffn_gate" in names)
     total = sum(w for _, w in sizes.values())
@@ -85,10 +91,10 @@ def main(argv=None):
     print("| configuration | perplexity | vs dense | skipped | qkv | o | gate_up | down |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     base = res["dense"][0]
-    for c in configs:
-        nll, dropped = res[c.name]
+    for name in configs:
+        nll, dropped = res[name]
         skipped = sum(dropped[p] * sizes[p][1] for p in A.PROJECTIONS) / total
-        print(f"| {c.name} | {math.exp(nll):.3f} | {100 * (math.exp(nll - base) - 1):+.2f}% | {100 * skipped:.1f}% | "
+        print(f"| {name} | {math.exp(nll):.3f} | {100 * (math.exp(nll - base) - 1):+.2f}% | {100 * skipped:.1f}% | "
               + " | ".join(f"{100 * dropped[p]:.0f}%" for p in A.PROJECTIONS) + " |")
 
 

@@ -22,13 +22,11 @@ import statistics
 import time
 from pathlib import Path
 
-from smollm2_vs_llamacpp import pinfer_decode, text_ids
+from smollm2_vs_llamacpp import WIKITEXT, pinfer_decode, text_ids
 
 from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.perplexity import perplexity
 from pinfer.runtime.tokenizer import Tokenizer
-
-WIKITEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "wikitext-2-raw-test.txt"
 
 
 def options(level, threads):

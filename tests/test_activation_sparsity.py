@@ -101,10 +101,10 @@ def test_the_reference_is_the_calibration_model_and_drops_what_it_says(silu_gguf
     src, names, cfg = fe.src, fe.roles, fe.cfg
     cs = calib_data.build(Tokenizer.from_spec(fe.tokenizer), None, 64, 4096, 256)
     evaluated = cs.heldout[:4]
-    configs = [A.Config("dense", {}), A.Config("all 0.5", {p: 0.5 for p in A.PROJECTIONS}),
-               A.Config("down 0.5", {"down": 0.5})]
+    configs = {"dense": {}, "all 0.5": dict.fromkeys(A.PROJECTIONS, 0.5), "down 0.5": {"down": 0.5}}
     embed, head = TL.Embedding(src, names), TL.Head(src, names, cfg)
-    thresholds, res = A.run(src, names, cfg, cs.train, evaluated, configs, embed, head)
+    thresholds = A.thresholds(src, names, cfg, cs.train, embed, (0.5,))
+    res = A.evaluate(src, names, cfg, evaluated, embed, head, thresholds, configs)
 
     # dense: the calibration model's own layer (attention, FFN input and hidden, down), no tap
     rot = TL.Rotary(cfg, evaluated.shape[1])

@@ -1,7 +1,9 @@
 """Training-free activation sparsity (as TEAL and CATS describe it): the input entries of a
 projection whose magnitude is under a per-layer threshold are dropped, so the matching input
 columns of its weight matrix need not be read. No predictor and no training: a threshold per layer
-and projection, taken as a quantile of |input| over calibration text.
+and projection, taken as a quantile of |input| over calibration text on the model as it runs at
+that level (thresholds()), then held-out perplexity per configuration (evaluate()) and the level
+per projection within a budget (choose()).
 
 Projections, by the input they share (what one threshold and one set of survivors covers):
     qkv      the attention's normed input, read by the q, k and v projections
@@ -15,7 +17,7 @@ before layer i + 1 is loaded, so each layer's weights are dequantized once.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,7 +25,7 @@ import torch
 from . import torch_llama as TL
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-SAMPLE = 1 << 20            # |input| values kept per layer and projection for its quantiles
+SAMPLE = 1 << 20            # |input| values a threshold's quantile is taken over, per layer and projection
 PROBE_SEQS = 4              # calibration sequences each level's thresholds are taken from, per layer
 LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5)   # what convert --activation-thresholds records
 ROUNDS = 3                  # choose(): rounds of the greedy per-projection step past the model-wide level
@@ -46,32 +48,6 @@ def layer_forward(h, w, cfg, rotary, tap=TL._same):
     return TL.ffn_residual(h1, w) + TL.ffn_output(hact @ w.down.T, w, cfg)
 
 
-class Recorder:
-    """A tap that keeps a random sample of each projection's |input|: the dense model's quantiles,
-    which run() evaluates (benchmarks/activation_sparsity.py); the converter records thresholds()."""
-
-    def __init__(self, rng):
-        self.rng, self.seen = rng, {p: [] for p in PROJECTIONS}
-
-    def __call__(self, name, x):
-        flat = x.detach().reshape(-1).abs()
-        if flat.numel() > SAMPLE:
-            flat = flat[torch.from_numpy(self.rng.integers(0, flat.numel(), SAMPLE)).to(flat.device)]
-        self.seen[name].append(flat.float())
-        return x
-
-    def thresholds(self, levels):
-        """{projection: {level: |x| under which that share of the inputs falls}}."""
-        out = {}
-        for p, parts in self.seen.items():
-            flat = torch.cat(parts)
-            if flat.numel() > SAMPLE:
-                flat = flat[torch.from_numpy(self.rng.integers(0, flat.numel(), SAMPLE)).to(flat.device)]
-            qs = torch.quantile(flat, torch.tensor(sorted(levels), dtype=torch.float32, device=flat.device))
-            out[p] = {s: float(v) for s, v in zip(sorted(levels), qs)}
-        return out
-
-
 class Sparsifier:
     """A tap that zeroes each input entry under its projection's threshold, and counts the share
     dropped (what a column-skipping kernel would not read)."""
@@ -89,18 +65,6 @@ class Sparsifier:
         self.dropped[name][0] += int(x.numel() - keep.sum())
         self.dropped[name][1] += x.numel()
         return x * keep
-
-
-@dataclass
-class Config:
-    """One evaluated configuration: a sparsity level per projection, the same in every layer, or
-    per layer where `per_layer` gives one ({layer: {projection: level}})."""
-    name: str
-    levels: dict                                        # {projection: level}
-    per_layer: dict = field(default_factory=dict)
-
-    def at(self, layer):
-        return self.per_layer.get(layer, self.levels)
 
 
 class Calibrating:
@@ -144,47 +108,6 @@ def thresholds(src, names, cfg, train, embed, levels=LEVELS, freq_divisors=None,
             if on_layer:
                 on_layer(i)
     return out
-
-
-def run(src, names, cfg, train, evaluated, configs, embed, head, freq_divisors=None, seed=0, on_layer=None):
-    """Calibrate and evaluate in one pass over the layers.
-
-    train (n, T) and evaluated (m, T) token ids; configs: [Config]. Returns (thresholds: per layer
-    {projection: {level: t}}, {config name: (mean NLL of evaluated's second halves, {projection:
-    share of inputs dropped}) })."""
-    rng = np.random.default_rng(seed)
-    levels = sorted({v for c in configs for lv in [c.levels, *c.per_layer.values()] for v in lv.values() if v})
-    T = max(train.shape[1], evaluated.shape[1])
-    rot = TL.Rotary(cfg, T, freq_divisors)
-    with torch.no_grad():
-        h_train = embed(train)
-        streams = {c.name: embed(evaluated) for c in configs}
-        taps = {c.name: None for c in configs}
-        thresholds = []
-        for i in range(cfg.n_layer):
-            w = TL.load_layer(src, names, i)
-            rec = Recorder(rng)
-            h_train = _batched(h_train, w, cfg, rot, rec)
-            thresholds.append(rec.thresholds(levels) if levels else {})
-            for c in configs:
-                tap = Sparsifier({p: thresholds[i][p][lv] for p, lv in c.at(i).items() if lv})
-                if taps[c.name] is not None:
-                    for p in PROJECTIONS:
-                        tap.dropped[p] = [a + b for a, b in zip(tap.dropped[p], taps[c.name].dropped[p])]
-                taps[c.name] = tap
-                streams[c.name] = _batched(streams[c.name], w, cfg, rot, tap)
-            del w
-            if on_layer:
-                on_layer(i)
-        first = evaluated.shape[1] // 2
-        targets = torch.from_numpy(np.ascontiguousarray(evaluated[:, first + 1:]).reshape(-1))
-        out = {}
-        for c in configs:
-            h = streams[c.name][:, first:-1].reshape(-1, cfg.d_model)
-            nll = float(head.nll(h, targets).mean())
-            out[c.name] = (nll, {p: d / max(1, n) for p, (d, n) in taps[c.name].dropped.items()})
-        head.release()
-    return thresholds, out
 
 
 def evaluate(src, names, cfg, evaluated, embed, head, found, configs, freq_divisors=None, on_layer=None):
