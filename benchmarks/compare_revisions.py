@@ -2,7 +2,7 @@
 on the working tree, in one run, alternating.
 
     python benchmarks/compare_revisions.py REV --model SmolLM2.pinf [--text tests/data/wikitext-2-raw-test.txt]
-        [--threads 1,2] [--repeats 5]
+        [--threads 1,2] [--repeats 5] [--pause 0]
 
 REV is checked out into a temporary worktree whose C kernels are the working tree's build where
 their sources are the same (copied), else REV's own, built there. Each side runs in its own
@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,10 @@ def main(argv=None):
     ap.add_argument("--speed-only", action="store_true", help="skip perplexity and greedy (large models)")
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens timed")
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds idle before each speed run (default 0): on a virtual machine that hands freed "
+                         "memory back to its host, a run that starts while the previous process's memory is being "
+                         "handed back decodes more slowly (7B-shaped, 2 threads: about 5%%)")
     ap.add_argument("--activation", type=float, default=0.0, metavar="S",
                     help="both sides at activation sparsity S (the file needs its thresholds, and REV must "
                          "have RuntimeOptions.activation: 211c001 or later)")
@@ -141,6 +146,7 @@ def main(argv=None):
                 runs = {"before": [], "after": []}
                 for r in range(a.repeats):
                     for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                        time.sleep(a.pause)
                         runs[side].append(run(roots[side], "speed", a, threads))
                 for key in ("decode", "prefill"):
                     b, f = ([x[key] for x in runs[s]] for s in ("before", "after"))

@@ -1,7 +1,7 @@
 """Memory and load time against llama.cpp: each load in a fresh process, the engines alternating.
 
     python benchmarks/memory.py [--shape 7b,13b] [--loads 3] [--threads 2] [--ctx 512] [--tokens 8]
-        [--llama-python VENV/bin/python] [--pause 0] [--mmap] [--out benchmarks/results/memory.json]
+        [--llama-python VENV/bin/python] [--pause 0] [--mmap] [--no-mmap] [--out benchmarks/results/memory.json]
 
 The models are synthetic_decode.py's random LLaMA-shaped Q4_0 GGUFs (write_gguf), written once under
 ~/.cache/pinfer/synthetic and converted with `--sparsity none`. Both files are read once before the
@@ -54,7 +54,8 @@ def pinfer_side(a):
     from pinfer.runtime import accounting
     from pinfer.runtime.model import Model, RuntimeOptions
     t0 = time.perf_counter()
-    m = Model(a.model, RuntimeOptions(threads=a.threads, n_ctx=a.ctx, mmap=a.mmap))
+    mmap = {"auto": None, "on": True, "off": False}[a.map]
+    m = Model(a.model, RuntimeOptions(threads=a.threads, n_ctx=a.ctx, mmap=mmap))
     load = time.perf_counter() - t0
     mem = status()
     for t in PROMPT_IDS:
@@ -93,9 +94,9 @@ def llama_side(a):
 
 def one_load(python, engine, model, a):
     """A fresh process's figures, or {"error": ...} where it failed or crashed."""
-    side, mapped = engine.removesuffix("-mmap"), engine.endswith("-mmap")
+    side, _, mapped = engine.partition("-")
     cmd = [str(python), __file__, f"side-{side}", str(model), "--threads", str(a.threads), "--ctx", str(a.ctx),
-           "--tokens", str(a.tokens)] + ["--mmap"] * mapped
+           "--tokens", str(a.tokens)] + ["--map", mapped] * bool(mapped)
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env=engines.clean_env(), timeout=1800)
     except subprocess.TimeoutExpired:
@@ -137,7 +138,10 @@ def fmt(s, unit="", scale=1.0):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", nargs="?", default="run", choices=["run", "side-pinfer", "side-llama"])
-    ap.add_argument("--mmap", action="store_true", help="also pinfer --mmap (the weights read from the file's map)")
+    ap.add_argument("--mmap", action="store_true", help="also pinfer --mmap (every weight read from the file's map)")
+    ap.add_argument("--no-mmap", dest="copies", action="store_true",
+                    help="also pinfer --no-mmap (the weights copied into 2 MB pages, the default before the map)")
+    ap.add_argument("--map", choices=["auto", "on", "off"], default="auto", help=argparse.SUPPRESS)  # a side's
     ap.add_argument("model", nargs="?")
     ap.add_argument("--shape", default="7b", help="comma-separated: 7b, 13b, tiny")
     ap.add_argument("--layers", type=int, default=0, help="layers (default: the shape's own, 32 or 40)")
@@ -170,9 +174,10 @@ def main(argv=None):
         cfg = ModelConfig.from_dict(PinfReader(pinf).header["config"])
         for path in (gguf, pinf):
             warm(path)
-        runs = {"pinfer": [], "pinfer --mmap": [], "llama.cpp": []}
+        runs = {"pinfer": [], "pinfer --mmap": [], "pinfer --no-mmap": [], "llama.cpp": []}
         sides = [("pinfer", sys.executable, "pinfer", pinf)] + \
-            ([("pinfer --mmap", sys.executable, "pinfer-mmap", pinf)] if a.mmap else []) + \
+            ([("pinfer --mmap", sys.executable, "pinfer-on", pinf)] if a.mmap else []) + \
+            ([("pinfer --no-mmap", sys.executable, "pinfer-off", pinf)] if a.copies else []) + \
             ([("llama.cpp", a.llama_python, "llama", gguf)] if a.llama_python else [])
         for i in range(a.loads):
             for engine, python, side, path in sides[::-1 if i % 2 else 1]:    # who goes first alternates too

@@ -70,10 +70,11 @@ def placement_options(f):
     f = click.option("--kv-type", "-ctk", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
                      help="The KV cache's values: f16 takes half of f32's memory (as llama.cpp's default "
                           "cache, whose -ctk this is too).")(f)
-    f = click.option("--mmap", is_flag=True, default=False,
-                     help="Read the weights from the file's map (the page cache, shared and evictable, as "
-                          "llama.cpp does) instead of copies in huge pages: a faster load and less memory of "
-                          "pinfer's own, a slower decode.")(f)
+    f = click.option("--mmap/--no-mmap", default=None,
+                     help="Where the weights are read from. Default: the file's map (the page cache, as "
+                          "llama.cpp does) for large models that pinfer's C kernels run whole, copies in huge "
+                          "pages otherwise. --mmap: the map always, with the least memory (a dense layer's "
+                          "down projection reads by columns, more slowly). --no-mmap: copies always.")(f)
     f = click.option("--activation-sparsity", "activation", default="0", show_default=True, metavar="S|auto",
                      callback=_activation_level,
                      help="Drop the share S of each projection's input by magnitude (q/k/v, output, gate/up, down; "
@@ -106,7 +107,7 @@ def runtime_config(kw):
                           kernels=kw.get("ffn_kernel") or "auto", device=kw.get("device") or "auto",
                           vram_budget=kw.get("vram_budget"), dense_device=kw.get("dense_device") or "cpu",
                           dense_kernel=kw.get("dense_kernel") or "on", kv_type=kw.get("kv_type") or "f16",
-                          mmap=bool(kw.get("mmap")), activation=kw.get("activation") or 0.0,
+                          mmap=kw.get("mmap"), activation=kw.get("activation") or 0.0,
                           verbose=bool(ctx and verbose(ctx)))
 
 

@@ -16,6 +16,9 @@ import numpy as np
 from . import schema as S
 
 
+DROP_CACHE_MIN = 64 << 20     # bytes: smaller files are read again from the cache as written
+
+
 def partial_path(dest):
     dest = Path(dest)
     return dest.with_name(dest.name + ".partial")
@@ -93,12 +96,18 @@ class PinfWriter:
         header_offset = S.align(self._f.tell(), 8)
         self._f.write(b"\0" * (header_offset - self._f.tell()))
         self._f.write(blob)
+        size = self._f.tell()
         pre = S.PREAMBLE.pack(S.MAGIC, S.FORMAT_VERSION, 0, header_offset, len(blob),
                               hashlib.sha256(blob).digest())
         self._f.seek(0)
         self._f.write(pre.ljust(S.PREAMBLE_SIZE, b"\0"))
         self._f.flush()
         os.fsync(self._f.fileno())
+        if size >= DROP_CACHE_MIN and hasattr(os, "posix_fadvise"):
+            # The page cache keeps written data in 4 KB pages; dropped now (the data is on disk), the
+            # first read (the verification's, a load's) caches it again in large folios where the
+            # file system makes them, which the runtime's map then takes as 2 MB pages (reader._map).
+            os.posix_fadvise(self._f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         self._f.close()
         if self.replace:
             os.replace(self.tmp, self.dest)

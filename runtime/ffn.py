@@ -93,7 +93,8 @@ def layer_kernel(model, i, mode):
     r, cfg, dv = model.reader, model.cfg, model.devices
     k = model.plan.hot[i] if model.plan else 0
     down, rows = S.FFN_DOWN_T.format(i), None
-    if model.one_copy and mode == "dense" and r.header["weights"].get(down) == "q4r" and not r.mapped:
+    if model.one_copy and mode == "dense" and r.header["weights"].get(down) == "q4r" \
+            and model.options.mmap is not True:
         # dense: every token's down projection is row dots over W_down (SparseFFN's rows_from), so the
         # kernel holds W_down and leaves down_t in the file's map, never read
         fmt, parts = r.block(down)      # the map's pages of down_t, let go once W_down is made from them

@@ -33,7 +33,7 @@ class Model:
 
     def __init__(self, path, options=RuntimeOptions()):
         t0 = time.perf_counter()
-        self.reader = r = PinfReader(path, mapped=options.mmap)
+        self.reader = r = PinfReader(path, mapped=options.mmap is True)
         self.cfg = cfg = ModelConfig.from_dict(r.header["config"])
         self.n_ctx = options.n_ctx or min(cfg.n_ctx_train, DEFAULT_CTX)
         self.threads = options.threads or os.cpu_count() or 1
@@ -49,15 +49,15 @@ class Model:
         selfcheck.self_check(dv, self.threads)      # before anything goes to the device: CPU on a difference
         self.notes = dv.notes       # what loading chose (Note, autotune's records): the CLI prints them
         self.plan, self.ffns, self.steps = None, [], None
-        # With the dense part on a device only the attention graphs go there (the full graphs would
-        # copy every gate/up row into VRAM): every token, prompt ones too, takes the decode path.
+        # dense part on a device: only attention graphs go there (not every gate/up row); all tokens decode
         self.load_map = load_map(self.threads if dv.ffn == "cpu" and dv.dense == "cpu" else 1, r)
         self.head = None        # ONNX Runtime's head graph, made on first need (one copy: native_head takes all)
-        # one copy of the weights where the C kernels take every step (loading.one_copy): no layer graphs
+        # one copy of the weights where the C kernels take every step (loading.one_copy): no layer graphs,
         self.one_copy = one_copy(self, [Rule.of_layer(r.header, i, options.sparsity).mode
                                         for i in range(cfg.n_layer)]) is None
         if self.one_copy:
             self.layers, self.downs = [None] * cfg.n_layer, [None] * cfg.n_layer
+            r.mapped = r.mapped or options.mmap is None     # the kernels read the map (RuntimeOptions.mmap)
         else:
             self.layers = self.load_map(lambda i: dv.session(S.LAYER_GRAPH.format(i), self.threads,
                                                              attention_only=dv.on_device), cfg.n_layer)

@@ -42,12 +42,13 @@ class RuntimeOptions:
     # tokens of a 7B model take 2.1 GB instead of 4.3) or "f32". A dense part in FP16 keeps
     # its cache in f16 whatever this says.
     kv_type: str = "f16"
-    # True: the C kernels read the weights from the file's map (4 KB pages of the page cache, shared
-    # and evictable, as llama.cpp's mmap) instead of copies in 2 MB pages, and a dense layer's down
-    # projection reads down_t (no W_down made). 7B-shaped Q4_0, 2 threads, Intel Xeon
-    # (benchmarks/memory.py --mmap): load 0.05 s against 1.05-6.54 s, RSS after load 0.08 GB against
-    # 3.94, decode 4.87 against 6.84 tok/s.
-    mmap: bool = False
+    # Where the C kernels read the weights from. None (auto): from the file's map where one copy of
+    # the weights serves every step (loading.one_copy: large models all on the C kernels), which
+    # loads in a fraction of a second and decodes as fast as copies where the page cache holds the
+    # file in 2 MB folios (formats.reader._map); a dense layer's W_down is still made from down_t.
+    # Elsewhere copies in 2 MB pages. True: the map always, and a dense layer's down projection
+    # reads down_t (no W_down made: the least memory, a slower decode). False: copies in 2 MB pages.
+    mmap: bool | None = None
     # Activation sparsity (0: off): the share S of each FFN input dropped by magnitude, at the
     # thresholds the converter calibrated per layer (header layers[i] input_thresholds[S] for the
     # FFN's input, thresholds[S] for the down projection's): the layer runs by columns

@@ -198,3 +198,53 @@ def test_verify_names_the_damaged_tensor(tmp_path):
     r.close()
     _damage(p, off, b"\xff" if p.read_bytes()[off] != 0xFF else b"\x00")
     assert PinfReader(p, schema=False).verify() == ["b"]
+
+
+def _resident_share(path):
+    """The share of a file's pages in the page cache (mincore(2) over a map of it)."""
+    import ctypes
+    import mmap
+    import os
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                             ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec) / pages
+
+
+def _fs_type(path):
+    best, kind = "", ""
+    for line in open("/proc/mounts"):
+        mount, fs = line.split()[1], line.split()[2]
+        if str(path).startswith(mount) and len(mount) > len(best):
+            best, kind = mount, fs
+    return kind
+
+
+@pytest.mark.skipif(not Path("/proc/mounts").exists(), reason="reads /proc/mounts and calls mincore (Linux)")
+def test_finish_drops_a_large_file_from_the_page_cache(tmp_path, monkeypatch):
+    """A finished file of at least writer.DROP_CACHE_MIN bytes leaves the page cache (it is on disk
+    after the fsync), so that its first read caches it again in large folios (the runtime's map
+    then takes 2 MB pages); a smaller one stays cached as written."""
+    from pinfer.formats import writer
+    if _fs_type(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("the test's directory is on a file system in memory, whose pages cannot be dropped")
+    a = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8)
+    for floor, name in ((1 << 40, "kept.pinf"), (0, "dropped.pinf")):
+        monkeypatch.setattr(writer, "DROP_CACHE_MIN", floor)
+        with PinfWriter(tmp_path / name) as w:
+            w.add_tensor("a", a)
+            w.finish(dict(HEADER))
+    assert _resident_share(tmp_path / "kept.pinf") > 0.9
+    assert _resident_share(tmp_path / "dropped.pinf") < 0.1
+    np.testing.assert_array_equal(PinfReader(tmp_path / "dropped.pinf", schema=False).tensor("a"), a)

@@ -115,9 +115,10 @@ MEASURE = textwrap.dedent("""
                 return int(line.split()[1]) * 1024
 
     loading.ONE_COPY_MIN_BYTES = int(sys.argv[2])
-    Model(sys.argv[1], RuntimeOptions(threads=1, n_ctx=64)).forward([1, 2, 3])   # warms ORT and the pool
+    mmap = {"auto": None, "off": False}[sys.argv[3]]
+    Model(sys.argv[1], RuntimeOptions(threads=1, n_ctx=64, mmap=mmap)).forward([1, 2, 3])   # warms ORT and the pool
     before = anon()
-    m = Model(sys.argv[1], RuntimeOptions(threads=1, n_ctx=64))
+    m = Model(sys.argv[1], RuntimeOptions(threads=1, n_ctx=64, mmap=mmap))
     m.forward([1, 2, 3])
     print(json.dumps({"grew": anon() - before, "kv": m.attention.kv_bytes, "one_copy": m.one_copy}))
 """)
@@ -126,10 +127,11 @@ MEASURE = textwrap.dedent("""
 @pytest.mark.real_model
 def test_one_copy_holds_each_weight_once(tmp_path):
     """SmolLM2 (98 MB) loaded a second time in a fresh process, after a first load warmed ONNX Runtime
-    and the thread pool: the process's anonymous memory grows by the weights the kernels copy (the
-    whole file, at most), the KV cache and 24 MB for scratch buffers and allocator slack (no ONNX
-    Runtime session is made under one copy). With the layer graphs built as well it grows by a
-    second copy of the layers' weights, which this bound does not admit."""
+    and the thread pool: the process's anonymous memory grows by the KV cache, 24 MB for scratch
+    buffers and allocator slack (no ONNX Runtime session is made under one copy), and the weights
+    the kernels copy: by default (the map) only W_down, which the dense row dots read and the file
+    holds as down_t; with --no-mmap every weight, the whole file at most. With the layer graphs
+    built as well it grows by a second copy of the layers' weights, which that bound does not admit."""
     import contextlib
     import io
 
@@ -137,19 +139,45 @@ def test_one_copy_holds_each_weight_once(tmp_path):
 
     from pinfer.converter.convert import ConvertOptions, convert
     from pinfer.converter.passes import DENSE
+    from pinfer.formats import PinfReader
     path = tmp_path / "smollm2.pinf"
     with contextlib.redirect_stderr(io.StringIO()):
         convert(ConvertOptions(smollm2_gguf(), path, passes=DENSE, verify=False))
     out = {}
-    for one_copy, floor in ((True, 0), (False, 1 << 60)):
-        res = subprocess.run([sys.executable, "-c", MEASURE, str(path), str(floor)], capture_output=True, text=True,
-                             timeout=300)
+    for key, floor, mmap in (("map", 0, "auto"), ("copies", 0, "off"), ("graphs", 1 << 60, "auto")):
+        res = subprocess.run([sys.executable, "-c", MEASURE, str(path), str(floor), mmap], capture_output=True,
+                             text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
-        out[one_copy] = json.loads(res.stdout.strip().splitlines()[-1])
-        assert out[one_copy]["one_copy"] == one_copy
-    bound = path.stat().st_size + out[True]["kv"] + (24 << 20)
-    assert out[True]["grew"] <= bound, (out, bound)
-    assert out[False]["grew"] > bound, (out, bound)
+        out[key] = json.loads(res.stdout.strip().splitlines()[-1])
+        assert out[key]["one_copy"] == (key != "graphs")
+    down_t = sum(e["nbytes"] for name, e in PinfReader(path).tensors.items() if ".ffn_down_t." in name)
+    slack = out["map"]["kv"] + (24 << 20)
+    assert out["map"]["grew"] <= down_t + slack, (out, down_t)
+    bound = path.stat().st_size + slack
+    assert out["map"]["grew"] < out["copies"]["grew"] <= bound, (out, bound)
+    assert out["graphs"]["grew"] > bound, (out, bound)
+
+
+def test_by_default_one_copy_reads_the_map_and_gives_the_copies_results(silu_file, monkeypatch):
+    """RuntimeOptions.mmap None (the default) under one copy: the kernels read gate/up, the
+    attention's weights and the head from the file's map (no copy), W_down is made from down_t as
+    with copies, and the logits are the copies' to the bit (the same kernels over the same bytes,
+    each kernel's order of sums fixed by its thread count)."""
+    want = _run(_load(silu_file, True, monkeypatch, mmap=False))
+    m = _load(silu_file, True, monkeypatch)
+    assert m.one_copy and m.reader.mapped
+    r = m.reader
+    for i, entry in enumerate(m.ffns):
+        (_, gu), _ = entry.kernel.keep[:2]
+        assert np.shares_memory(gu["q"], r.tensor(f"blk.{i}.ffn_gate_up.q"))
+        assert entry.kernel.keep[3] is not None     # W_down, made
+    np.testing.assert_array_equal(_run(m), want)
+    copies = _load(silu_file, True, monkeypatch, mmap=False)
+    assert not copies.reader.mapped
+    gu = copies.ffns[0].kernel.keep[0][1]["q"]
+    assert not np.shares_memory(gu, copies.reader.tensor("blk.0.ffn_gate_up.q"))
+    small = _load(silu_file, False, monkeypatch)        # not one copy: the graphs, and copies for the kernels
+    assert not small.one_copy and not small.reader.mapped
 
 
 def test_mmap_reads_the_map_and_gives_the_copies_results(silu_file, monkeypatch):
