@@ -115,7 +115,7 @@ def main(argv=None):
     ap.add_argument("--pause", type=float, default=0.0,
                     help="seconds idle before each speed run (default 0): on a virtual machine that hands freed "
                          "memory back to its host, a run that starts while the previous process's memory is being "
-                         "handed back decodes more slowly (7B-shaped, 2 threads: about 5%%)")
+                         "handed back decodes more slowly")
     ap.add_argument("--activation", type=float, default=0.0, metavar="S",
                     help="both sides at activation sparsity S (the file needs its thresholds, and REV must "
                          "have RuntimeOptions.activation: 211c001 or later)")

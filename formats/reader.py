@@ -199,8 +199,8 @@ HUGE_PAGE = 2 << 20
 
 def _map(fd):
     """The whole file mapped read-only. Private (MAP_PRIVATE; nothing writes through it): the C
-    kernels read a shared map's pages more slowly, 7B-shaped Q4_0 on 2 threads decoding 6.10 against
-    6.49 tok/s (Intel Xeon, 6 alternating runs each). MADV_HUGEPAGE: where the kernel keeps a
+    kernels read a shared map's pages more slowly (7B-shaped Q4_0 on 2 threads, Intel Xeon; the
+    private map decodes as the copies do, docs/benchmarks.md). MADV_HUGEPAGE: where the kernel keeps a
     file's page cache in large folios (ext4 on Linux 6.18 does), the map's faults take whole 2 MB
     folios, as the kernels' copies in huge pages do, and reading a file not yet cached makes them."""
     mm = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)

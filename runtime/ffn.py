@@ -88,8 +88,9 @@ def times_dense(model, i):
 
 def layer_kernel(model, i, mode):
     """Layer i's fused FFN for `mode`: the CPU kernel, or the hybrid of the plan's hot neurons
-    on the GPU (or a second CPU kernel with device cpu-split) and the rest on the CPU, over copies
-    of the weights in the process's memory (PinfReader.release says why)."""
+    on the GPU (or a second CPU kernel with device cpu-split) and the rest on the CPU, over the
+    file's map where the reader is mapped (RuntimeOptions.mmap), else over copies of the weights in
+    the process's memory (PinfReader.release says why)."""
     r, cfg, dv = model.reader, model.cfg, model.devices
     k = model.plan.hot[i] if model.plan else 0
     down, rows = S.FFN_DOWN_T.format(i), None

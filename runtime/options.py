@@ -44,8 +44,9 @@ class RuntimeOptions:
     kv_type: str = "f16"
     # Where the C kernels read the weights from. None (auto): from the file's map where one copy of
     # the weights serves every step (loading.one_copy: large models all on the C kernels), which
-    # loads in a fraction of a second and decodes as fast as copies where the page cache holds the
-    # file in 2 MB folios (formats.reader._map); a dense layer's W_down is still made from down_t.
+    # loads in about a second (docs/benchmarks.md) and decodes as fast as copies where the page
+    # cache holds the file in 2 MB folios (formats.reader._map); a dense layer's W_down is still
+    # made from down_t.
     # Elsewhere copies in 2 MB pages. True: the map always, and a dense layer's down projection
     # reads down_t (no W_down made: the least memory, a slower decode). False: copies in 2 MB pages.
     mmap: bool | None = None

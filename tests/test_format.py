@@ -248,3 +248,16 @@ def test_finish_drops_a_large_file_from_the_page_cache(tmp_path, monkeypatch):
     assert _resident_share(tmp_path / "kept.pinf") > 0.9
     assert _resident_share(tmp_path / "dropped.pinf") < 0.1
     np.testing.assert_array_equal(PinfReader(tmp_path / "dropped.pinf", schema=False).tensor("a"), a)
+
+
+def test_a_file_cut_short_after_open_is_one_sentence_when_copied(tmp_path):
+    """--no-mmap reads each weight into the process's memory with preadv: a file truncated after it
+    was opened (and checked) gives one sentence there, not the SIGBUS that reading its map would."""
+    p = tmp_path / "m.pinf"
+    write_sample(p)
+    r = PinfReader(p, schema=False)
+    offset = r.tensors["b"]["offset"]
+    with open(p, "r+b") as f:
+        f.truncate(offset + 10)
+    with pytest.raises(PinfFormatError, match="the file ends inside tensor 'b'"):
+        r._own("b")

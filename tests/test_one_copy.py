@@ -65,10 +65,14 @@ def test_one_copy_builds_no_layer_graph_and_gives_the_graphs_results(silu_file, 
 
 def test_a_sparse_rule_brings_the_graphs_back(silu_file, monkeypatch):
     """A sparse rule is timed against the dense graphs: set_sparsity builds them, times the three
-    ways and decodes (which way wins on the tiny model depends on the moment, so only that it runs)."""
+    ways and decodes (which way wins on the tiny model depends on the moment, so only that it runs).
+    The model no longer reads from the map: the new kernels hold copies."""
     m = _load(silu_file, True, monkeypatch)
-    assert m.one_copy
+    assert m.one_copy and m.reader.mapped
     m.set_sparsity("down:0.3")
+    assert not m.reader.mapped
+    gu = m.ffns[0].kernel.keep[0][1]["q"] if m.ffns[0] is not None else None
+    assert gu is None or not np.shares_memory(gu, m.reader.tensor("blk.0.ffn_gate_up.q"))
     # timed against the layer graphs, so they were made (whether they stay after the load depends on
     # which prompt route wins the timing: loading.drop_graphs)
     assert not m.one_copy and m.path_choices and all(c.tokens > 0 for c in m.path_choices)
