@@ -107,7 +107,10 @@ class PinfWriter:
             # The page cache keeps written data in 4 KB pages; dropped now (the data is on disk), the
             # first read (the verification's, a load's) caches it again in large folios where the
             # file system makes them, which the runtime's map then takes as 2 MB pages (reader._map).
-            os.posix_fadvise(self._f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            try:
+                os.posix_fadvise(self._f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass        # advice only: the file is complete either way
         self._f.close()
         if self.replace:
             os.replace(self.tmp, self.dest)

@@ -87,12 +87,18 @@ def drop_attention_sessions(model):
         model.attn = None
 
 
+def map_weights(model):
+    """Whether the kernels made from now on read the file's map (RuntimeOptions.mmap): always with
+    --mmap, by default where the model is one copy, never with --no-mmap."""
+    model.reader.mapped = model.options.mmap is True or (model.options.mmap is None and model.one_copy)
+
+
 def ensure_graphs(model):
     """The dense graphs that drop_graphs let go, made again (a call takes them, or the rules change:
     the timing runs them and new kernels share W_down's rows with the down projections). A model
     that is no longer one copy reads no more from the map by default: the kernels made from now on
     hold copies, and the graphs' build lets the map's pages go (RuntimeOptions.mmap)."""
-    model.reader.mapped = model.options.mmap is True or (model.options.mmap is None and model.one_copy)
+    map_weights(model)
     if model.devices.on_device or model.one_copy or all(s is not None for s in model.layers):
         return
     layers, downs = model.layers, model.downs

@@ -22,7 +22,7 @@ from . import accounting, autotune, native, selfcheck
 from .devices import Devices
 from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
-from .loading import drop_graphs, ensure_graphs, load_map, note_paths, one_copy
+from .loading import drop_graphs, ensure_graphs, load_map, map_weights, note_paths, one_copy
 from .options import DEFAULT_CTX, RuntimeOptions
 from .sparse import Counters, LayerFfn, LayerRule, Rule
 from .steps import Steps
@@ -52,12 +52,12 @@ class Model:
         # dense part on a device: only attention graphs go there (not every gate/up row); all tokens decode
         self.load_map = load_map(self.threads if dv.ffn == "cpu" and dv.dense == "cpu" else 1, r)
         self.head = None        # ONNX Runtime's head graph, made on first need (one copy: native_head takes all)
-        # one copy of the weights where the C kernels take every step (loading.one_copy): no layer graphs,
+        # one copy of the weights where the C kernels take every step (loading.one_copy): no layer graphs
         self.one_copy = one_copy(self, [Rule.of_layer(r.header, i, options.sparsity).mode
                                         for i in range(cfg.n_layer)]) is None
         if self.one_copy:
             self.layers, self.downs = [None] * cfg.n_layer, [None] * cfg.n_layer
-            r.mapped = r.mapped or options.mmap is None     # the kernels read the map (RuntimeOptions.mmap)
+            map_weights(self)       # and by default the kernels read the file's map
         else:
             self.layers = self.load_map(lambda i: dv.session(S.LAYER_GRAPH.format(i), self.threads,
                                                              attention_only=dv.on_device), cfg.n_layer)

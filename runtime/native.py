@@ -35,9 +35,10 @@ def refusal(reader, cfg, i=None):
 def attention_steps(reader, cfg, threads, load_map, activation=0.0, kept=None):
     """Per layer an AttentionStep, or None where refusal() says why not, made by load_map (the
     model's: several layers at a time). The steps read the weights from the file's map where the
-    reader is mapped (RuntimeOptions.mmap), else their own copies (PinfReader.release says why); with activation sparsity (RuntimeOptions.activation) the q/k/v
-    and output projections by columns, transposed (columns()), counting the inputs they keep into
-    kept[i] ((n_layer, 2) int64: Counters.attn_kept)."""
+    reader is mapped (RuntimeOptions.mmap), else their own copies (PinfReader.release says why);
+    with activation sparsity (RuntimeOptions.activation) the q/k/v and output projections by
+    columns, transposed (columns()), counting the inputs they keep into kept[i] ((n_layer, 2)
+    int64: Counters.attn_kept)."""
     def optional(name):
         return reader.tensor(name) if name in reader.tensors else None
 

@@ -46,9 +46,9 @@ class RuntimeOptions:
     # the weights serves every step (loading.one_copy: large models all on the C kernels), which
     # loads in about a second (docs/benchmarks.md) and decodes as fast as copies where the page
     # cache holds the file in 2 MB folios (formats.reader._map); a dense layer's W_down is still
-    # made from down_t.
-    # Elsewhere copies in 2 MB pages. True: the map always, and a dense layer's down projection
-    # reads down_t (no W_down made: the least memory, a slower decode). False: copies in 2 MB pages.
+    # made from down_t. Elsewhere copies in 2 MB pages. True: the map always, and a dense layer's
+    # down projection reads down_t (no W_down made: the least memory, a slower decode). False:
+    # copies in 2 MB pages (loading.map_weights).
     mmap: bool | None = None
     # Activation sparsity (0: off): the share S of each FFN input dropped by magnitude, at the
     # thresholds the converter calibrated per layer (header layers[i] input_thresholds[S] for the
