@@ -93,7 +93,7 @@ def main(argv=None):
         total = wall / a.tokens * 1e3
         print(f"\n{t} thread{'s' * (t > 1)}: {1e3 / total:.1f} tok/s with the profiler, {total:.2f} ms/token, "
               f"CPU time / wall {cpu / wall:.2f} cores; {m.cfg.n_layer} layers, "
-              f"{sum(f is not None for f in m.ffns)} through the fused kernel")
+              f"{sum(L.ffn is not None for L in m.layers)} through the fused kernel")
         print("| step | ms/token | share |\n| --- | ---: | ---: |")
         for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
             print(f"| {k} | {v:.3f} | {v / total:.1%} |")

@@ -58,7 +58,7 @@ def main(argv=None):
         print(f"hybrid_decode: {e}", file=sys.stderr)
         sys.exit(2)
     cfg, n_ff = m.cfg, m.cfg.n_ff
-    modes = [r.rule.mode for r in m.rules] if a.model else ["given"] * cfg.n_layer
+    modes = [L.rule.rule.mode for L in m.layers] if a.model else ["given"] * cfg.n_layer
     specs = [spec for spec, _ in placement.layer_specs(m.reader, cfg, modes)]
     if a.model:
         mass = placement.activation_mass(m.reader, cfg, modes)

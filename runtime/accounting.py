@@ -64,13 +64,13 @@ def attention_shares(model):
     """{q/k/v's or the output's weight: the share of its rows read} of the layers whose attention
     runs by columns (activation sparsity), from the inputs they kept (Counters.attn_kept) over the
     tokens the FFN counters saw since their reset (each layer's FFN counts n_ff rows a token)."""
-    native, c, cfg = model.native, model.counters, model.cfg
-    layers = sum(f is not None for f in model.ffns) if model.ffns else 0
+    c, cfg = model.counters, model.cfg
+    layers = sum(L.ffn is not None for L in model.layers)
     tokens = c.full / (cfg.n_ff * layers) if layers else 0
     out = {}
     if not tokens:
         return out
-    for i, step in enumerate(native):
+    for i, step in enumerate(L.native for L in model.layers):
         if step is None:
             continue
         for k, (base, width) in enumerate(((S.ATTN_QKV.format(i), cfg.d_model),

@@ -35,6 +35,7 @@ class PathChoice:
     kernel_over_dense: float
     kernel_dense_over_dense: float
     threads: int
+    which: tuple = ()               # the layers (indices) it chose for
 
     @property
     def quiet(self):
@@ -119,38 +120,25 @@ def choose_paths(model):
     MatMulNBits ("dense"). A rule's layers keep the kernel and the rule only where their summed
     time is under KEEP_BELOW of the faster exact way (each way's fastest token: ratios); otherwise they run
     the faster exact way, rule dropped, the kernel's dense mode only where it is under
-    KEEP_BELOW of the graph's. Returns the PathChoice records (then the PrefillChoice, where a
-    kernel stays: prompts of up to prefill_by_token tokens take its batch call)."""
-    from . import loading       # here: loading imports this module's PREFILL_SIZES
-    if model.options.activation:        # no graph computes what its layers do: nothing to time them against
-        if not (all(s is not None for s in model.native) and all(model.ffns)):
-            return []       # a layer the C kernels do not take: prompts through the graphs (the path note says which)
-        return [PrefillChoice((), PREFILL_SIZES[-1], untimed=True, why=(
-            "with activation sparsity every layer runs through the C kernels, so a prompt token computes what a "
-            "decoded one does (loading.drop_graphs)"))]
+    KEEP_BELOW of the graph's. Returns the PathChoice records, which the planner applies
+    (plan.set_rules); nothing under activation sparsity, whose layers no graph computes."""
+    if model.options.activation:
+        return []
     groups = {}
-    for i, f in enumerate(model.ffns):
-        if f is not None:
-            groups.setdefault(model.rules[i].rule.name, []).append(i)
+    for i, L in enumerate(model.layers):
+        if L.ffn is not None:
+            groups.setdefault(L.rule.rule.name, []).append(i)
     untimed = {name: layers for name, layers in groups.items() if name == "dense"
-               and all(model.native[i] is not None for i in layers)}
+               and all(model.layers[i].native is not None for i in layers)}
     timed = {n: v for n, v in groups.items() if n not in untimed}
     spent = _time_ways(model, timed) if timed else {}
-    choices = [PathChoice("dense", len(layers), 0, "kernel-dense", np.nan, np.nan, model.threads)
+    choices = [PathChoice("dense", len(layers), 0, "kernel-dense", np.nan, np.nan, model.threads, tuple(layers))
                for layers in untimed.values()]
-    for name, layers in groups.items():
-        if name in untimed:
-            continue
+    for name, layers in timed.items():
         times = np.asarray(spent[name])
         rule_r, dense_r = ratios(times)
-        path = choose_path(rule_r, dense_r)
-        choices.append(PathChoice(name, len(layers), len(times), path, rule_r, dense_r, model.threads))
-        if path != "kernel":
-            loading.run_dense(model, layers, path)
-    model.unbind()
-    if any(model.ffns):
-        return choices + [choose_prefill(model)]
-    loading.drop_attention_sessions(model)
+        choices.append(PathChoice(name, len(layers), len(times), choose_path(rule_r, dense_r), rule_r, dense_r,
+                                  model.threads, tuple(layers)))
     return choices
 
 
@@ -176,10 +164,10 @@ def _time_ways(model, groups):
     cfg = model.cfg
     dense = [LayerRule(model.reader, model.reader.header, i, Rule("dense"), Counters()) for i in range(cfg.n_layer)]
     model.bind_activations(1)
-    steps = [(None if model.rules[i].rule.mode == "dense" else model.steps.layer(i, True),
-              model.steps.layer(i, True, entry=model.ffns[i].dense()),
-              model.steps.layer(i, False, rule=dense[i])) if model.ffns[i]
-             else (model.steps.layer(i, False),) for i in range(cfg.n_layer)]
+    steps = [(None if L.rule.rule.mode == "dense" else model.steps.layer(i, True),
+              model.steps.layer(i, True, entry=L.ffn.dense()),
+              model.steps.layer(i, False, rule=dense[i])) if L.ffn is not None
+             else (model.steps.layer(i, False),) for i, L in enumerate(model.layers)]
     spent = {name: [] for name in groups}
     where = {i: (name, k) for name, layers in groups.items() for k, i in enumerate(layers)}
     t_start = clock()
@@ -226,7 +214,15 @@ def choose_prefill(model):
     proportion to its tokens (each token's attention, candidates and dots; the union of their rows
     grows slower), and the graphs' does not fall as tokens are added. A sparse model whose graphs
     take a dense down projection per token (the ReLU 7B-shaped one: r = 0.10 at 2 tokens, which
-    spent the budget) is answered up to 16 tokens that way. Returns a PrefillChoice."""
+    spent the budget) is answered up to 16 tokens that way. Returns a PrefillChoice; under
+    activation sparsity the untimed one where every layer runs through the C kernels
+    (plan.drop_graphs routes prompts so), else None: prompts through the graphs."""
+    if model.options.activation:        # no graph computes what its layers do: nothing to time against
+        if not all(L.native is not None and L.ffn is not None for L in model.layers):
+            return None         # a layer the C kernels do not take (the path note says which)
+        return PrefillChoice((), PREFILL_SIZES[-1], untimed=True, why=(
+            "with activation sparsity every layer runs through the C kernels, so a prompt token computes what a "
+            "decoded one does (plan.drop_graphs)"))
     if model.one_copy:
         model.prefill_by_token = PREFILL_SIZES[-1]
         model.unbind()
@@ -262,7 +258,7 @@ def _prompt_layers_time(model, ids, by_kernel):
     model.reset()
     model.bind_activations(len(ids))
     model.start(ids, len(ids))
-    layers = [i for i, f in enumerate(model.ffns) if f is not None]
+    layers = [i for i, L in enumerate(model.layers) if L.ffn is not None]
     t0 = clock()
     for i in layers[:max(1, round(PREFILL_LAYERS * len(layers)))]:
         for step in model.steps.by_layer[i]:

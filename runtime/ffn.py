@@ -1,6 +1,7 @@
-"""Each layer's FFN paths: the fused kernel under the layer's rule (LayerFfn: pinfer's CPU kernel,
-or the hybrid of the plan's hot neurons on the GPU and the rest on the CPU), and the down
-projection the ONNX path uses (MatMulNBits, pinfer's DownProjection, or a --quant mixed split)."""
+"""The objects of a layer's FFN paths, which the planner (plan.py) chooses: the fused kernel
+(pinfer's CPU kernel, or the hybrid of the placement's hot neurons on the GPU and the rest on the
+CPU), the columns of activation sparsity, and the down projection the ONNX path uses (MatMulNBits,
+pinfer's DownProjection, or a --quant mixed split)."""
 
 import numpy as np
 
@@ -9,42 +10,8 @@ from pinfer.formats.reader import huge_empty
 from pinfer.kernels import ColumnFFN, DownProjection, transpose_gate_up, untranspose_r
 
 from . import hybrid
-from .placement import kernel_refusal
 from .ort import MatMulDown, SplitDown
-from .sparse import LayerFfn, activation_levels, input_threshold
-
-
-def fused_ffn(model, i):
-    """The LayerFfn for layer i's decode, or None where the ONNX graph and NumPy rule run: every
-    layer with --ffn-kernel off; dense layers with "on", and with "auto" where times_dense says no
-    (elsewhere "auto" builds the kernel's dense mode and autotune keeps whichever is faster here);
-    formats or shapes the kernel lacks; --quant mixed splits."""
-    rule, r, cfg, on_device = model.rules[i], model.reader, model.cfg, model.devices.on_device
-    hot = model.plan.hot[i] if model.plan else 0
-    act = model.options.activation and activation_levels(r.header, model.options.activation)
-    if act:
-        if rule.rule.mode not in ("dense", "down"):
-            raise ValueError(f"activation sparsity replaces the dense and down rules, not {rule.rule.name}; "
-                             "pass --sparsity dense with it")
-        if act["gate_up"] or act["down"]:
-            return column_ffn(model, i, act)
-    # an FFN at activation level 0 runs by rows, the kernel's dense mode (the converter measured its
-    # levels with a dense FFN), as the C attention's layers do
-    mode = "dense" if act else rule.rule.mode
-    fused = model.use_kernels != "off" or hot or on_device   # the GPU's decode has no other FFN path
-    graph_dense = mode == "dense" and not act and (model.use_kernels == "on" or not times_dense(model, i))
-    if not fused or (graph_dense and not hot and not on_device) or kernel_refusal(r, cfg, i):
-        return None
-    try:
-        kernel = layer_kernel(model, i, mode)
-    except ValueError as e:     # a format or shape the kernel lacks: the graph runs it (loading.path_note says why)
-        rule.refusal = str(e)
-        return None
-    if act:
-        return LayerFfn(kernel, "dense")
-    thr = float(rule.threshold) if rule.threshold is not None else 0.0
-    pthr = float(rule.pred[3]) if rule.pred is not None else 0.0
-    return LayerFfn(kernel, rule.rule.mode, thr, pthr)
+from .sparse import LayerFfn, input_threshold
 
 
 def column_ffn(model, i, levels):
@@ -74,12 +41,10 @@ def column_ffn(model, i, levels):
 DENSE_TIMING_MAX_ATTN_BYTES = 256 << 20
 
 
-def times_dense(model, i):
-    """Whether --ffn-kernel auto times dense layer i's kernel against the graph (see above; where
-    the C kernels take the attention (native.py) there is no second copy)."""
-    if model.native[i] is not None:
-        return True
-    if model.downs and not isinstance(model.downs[i], MatMulDown):
+def times_dense(model, layer):
+    """Whether --ffn-kernel auto times a dense layer's kernel (plan.Layer) against the graph (see
+    above; where the C kernels take the attention (native.py) there is no second copy)."""
+    if layer.native is not None or not isinstance(layer.down, MatMulDown):
         return True
     tensors = model.reader.header["tensors"]
     attn = sum(e["nbytes"] for name, e in tensors.items() if name.startswith("blk.") and ".attn_" in name)
@@ -101,8 +66,8 @@ def layer_kernel(model, i, mode):
         fmt, parts = r.block(down)      # the map's pages of down_t, let go once W_down is made from them
         rows = untranspose_r(fmt, parts, empty=huge_empty)
         r.release(*(S.part_name(down, p) for p in parts))
-    elif model.downs:
-        rows = getattr(model.downs[i], "rows", None)    # W_down, shared with MatMulNBits
+    else:
+        rows = getattr(model.layers[i].down, "rows", None)    # W_down, shared with MatMulNBits
     unread = model.one_copy and rows is not None     # down_t stays in the map: the row dots read W_down
     # split at k: the map's pages, the cold rows copied by hybrid.build and the hot ones uploaded, so
     # that host memory holds the cold rows alone (a copy of the whole layer kept the hot rows beside VRAM's)

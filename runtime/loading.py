@@ -1,23 +1,16 @@
 """Loading a model's layers: several at a time, and what loading frees handed back to the system;
-and every change of a layer's path after Model builds it (which graphs it keeps, autotune's choices,
-the note that says them): no other module assigns a model's per-layer lists (tests/test_imports.py)."""
+whether the model holds one copy of its weights, and whether its kernels read the file's map."""
 
 import ctypes
 import functools
-import math
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from pinfer.formats import schema as S
-from pinfer.kernels import ColumnFFN
 
 from . import native
-from .autotune import PREFILL_SIZES
-from .ffn import down_projection
-from .options import Note
 from .placement import kernel_refusal
-from .sparse import LayerRule, Rule, activation_label
 
 
 def trim_heap():
@@ -56,57 +49,10 @@ def load_map(workers, reader):
     return run
 
 
-def drop_graphs(model):
-    """Let the dense graphs go where no call takes them, on the CPU: every layer's attention through
-    the C kernels (native), its FFN through a fused kernel, and prompts through the kernel's batch
-    call at its most tokens (autotune.chunk_size). That is ONNX Runtime's packed copy of each layer's
-    attention and gate/up and the ONNX path's down projections: the trained ReLU 7B-shaped model then
-    holds 6.2 GB after load, not 12.0 (2 threads, n_ctx 512). ensure_graphs makes them again, before
-    any timing or new kernels (Model._place), which take the graphs and the rows they share."""
-    if model.options.activation and all(s is not None for s in model.native) and all(model.ffns):
-        model.prefill_by_token = PREFILL_SIZES[-1]      # activation sparsity has no graph: prompts by the kernels
-        model.unbind()
-    if all(s is not None for s in model.native) and all(model.ffns) and model.batches(PREFILL_SIZES[-1]):
-        model.layers = [None] * model.cfg.n_layer
-        model.downs = [None] * model.cfg.n_layer    # a kernel sharing W_down's rows keeps them (SparseFFN.keep)
-    model.reader.release()      # the pages the timing's graph calls read
-    trim_heap()
-
-
-def run_dense(model, layers, path):
-    """Layers `layers` dense from now on, as autotune chose: their rule dropped, their FFN the
-    kernel's dense mode (path "kernel-dense") or ONNX Runtime's graph ("dense")."""
-    for i in layers:
-        model.rules[i] = LayerRule(model.reader, model.reader.header, i, Rule("dense"), model.counters)
-        model.ffns[i] = model.ffns[i].dense() if path == "kernel-dense" else None
-
-
-def drop_attention_sessions(model):
-    """Let the attention-only sessions go where no layer decodes through the kernel (on the CPU)."""
-    if not model.devices.on_device:
-        model.attn = None
-
-
 def map_weights(model):
     """Whether the kernels made from now on read the file's map (RuntimeOptions.mmap): always with
     --mmap, by default where the model is one copy, never with --no-mmap."""
     model.reader.mapped = model.options.mmap is True or (model.options.mmap is None and model.one_copy)
-
-
-def ensure_graphs(model):
-    """The dense graphs that drop_graphs let go, made again (a call takes them, or the rules change:
-    the timing runs them and new kernels share W_down's rows with the down projections). A model
-    that is no longer one copy reads no more from the map by default: the kernels made from now on
-    hold copies, and the graphs' build lets the map's pages go (RuntimeOptions.mmap)."""
-    map_weights(model)
-    if model.devices.on_device or model.one_copy or all(s is not None for s in model.layers):
-        return
-    layers, downs = model.layers, model.downs
-    model.layers = model.load_map(lambda i: layers[i] if layers[i] is not None else model.devices.session(
-        S.LAYER_GRAPH.format(i), model.threads), model.cfg.n_layer)
-    model.attention.bind(model.layers)
-    model.downs = model.load_map(lambda i: downs[i] if downs[i] is not None else down_projection(
-        model.reader, model.cfg, i, model.threads), model.cfg.n_layer)
 
 
 # Below this many bytes of layer weights ONNX Runtime's packed copy of the dense graphs costs little
@@ -151,53 +97,3 @@ def stream_layers(model, n):
         names = [name for name in model.reader.tensors if name.startswith(f"blk.{i}.")]
         run += steps + [functools.partial(model.reader.release, *names)]
     model.steps.run = run
-
-
-class PathNote(Note):
-    """The note of every layer's path (path_note)."""
-
-
-def path_note(model):
-    """Where each layer's attention and FFN run, and why not through pinfer's C kernels where they
-    do not: one line per run of layers alike (said with -v)."""
-    r, cfg, opt = model.reader, model.cfg, model.options
-    lines = []
-    for i in range(cfg.n_layer):
-        if model.native[i] is not None:     # with activation sparsity: the projections by columns, or why not
-            qkv, out = (c.q is not None for c in model.native[i].cols)
-            attn = "C kernels" + ("" if not opt.activation else {(True, True): ", by columns", (True, False): (
-                ", q/k/v by columns, the output by rows (not q4, or level 0)"), (False, True): ", q/k/v by rows (not "
-                "q4, or level 0), the output by columns", (False, False): ", by rows (not q4, or level 0)"}[qkv, out])
-        else:
-            why = ("--dense-kernel off" if opt.dense_kernel == "off" else native.refusal(r, cfg, i)
-                   or "the dense part is not on the CPU in float32")
-            attn = f"ONNX Runtime ({why})"
-        entry = model.ffns[i] if model.ffns else None
-        if entry is not None:
-            ffn = (f"columns, activation sparsity {activation_label(r.header, opt.activation)}"
-                   if isinstance(entry.kernel, ColumnFFN) else f"fused kernel, {entry.mode}")
-        else:
-            why = (model.rules[i].refusal or kernel_refusal(r, cfg, i)
-                   or ("--ffn-kernel off" if opt.kernels == "off" else "ONNX Runtime's dense path, as the load chose"))
-            ffn = f"ONNX Runtime's graph ({why})"
-        line = f"attention: {attn}; FFN: {ffn}"
-        if lines and lines[-1][1] == line:
-            lines[-1][0][1] = i
-        else:
-            lines.append(([i, i], line))
-    return PathNote("paths:\n" + "\n".join(f"  layer{'s' * (a != b)} {a}{f'-{b}' * (a != b)}: {line}"
-                                            for (a, b), line in lines), quiet=True)
-
-
-def note_paths(model):
-    """The model's notes with its path_note in place of an earlier one (the rules or paths changed),
-    and with activation sparsity the levels it runs (said without -v)."""
-    model.notes[:] = [n for n in model.notes if not isinstance(n, PathNote)] + [path_note(model)]
-    act = model.options.activation
-    if act:
-        rec = model.reader.header["sparsity"].get("activation") if act == "auto" else None
-        said = f"activation sparsity {activation_label(model.reader.header, act)}"
-        budget = rec.get("max_ppl_increase") if isinstance(rec, dict) else None
-        if isinstance(budget, float) and math.isfinite(budget):     # a stranger's file: a float, or nothing said
-            said += f": the converter's choice within +{budget:.1%} held-out perplexity"
-        model.notes.append(PathNote(said + " (pinfer inspect shows what it measured)"))

@@ -18,13 +18,12 @@ from pinfer.formats import PinfReader, blocks
 from pinfer.formats import schema as S
 from pinfer.formats.config import ModelConfig
 
-from . import accounting, autotune, native, selfcheck
+from . import accounting, autotune, plan, selfcheck
 from .devices import Devices
-from .ffn import down_projection, fused_ffn, layer_kernel
 from .kv import AttentionState
-from .loading import drop_graphs, ensure_graphs, load_map, map_weights, note_paths, one_copy
+from .loading import load_map, one_copy
 from .options import DEFAULT_CTX, RuntimeOptions
-from .sparse import Counters, LayerFfn, LayerRule, Rule
+from .sparse import Counters, Rule
 from .steps import Steps
 
 
@@ -48,30 +47,18 @@ class Model:
         self.devices = dv = Devices(r, cfg, options)
         selfcheck.self_check(dv, self.threads)      # before anything goes to the device: CPU on a difference
         self.notes = dv.notes       # what loading chose (Note, autotune's records): the CLI prints them
-        self.plan, self.ffns, self.steps = None, [], None
+        self.plan, self.steps, self.draw = None, None, None     # plan: the placement of hot neurons on a device
         # dense part on a device: only attention graphs go there (not every gate/up row); all tokens decode
         self.load_map = load_map(self.threads if dv.ffn == "cpu" and dv.dense == "cpu" else 1, r)
         self.head = None        # ONNX Runtime's head graph, made on first need (one copy: native_head takes all)
         # one copy of the weights where the C kernels take every step (loading.one_copy): no layer graphs
         self.one_copy = one_copy(self, [Rule.of_layer(r.header, i, options.sparsity).mode
                                         for i in range(cfg.n_layer)]) is None
-        if self.one_copy:
-            self.layers, self.downs = [None] * cfg.n_layer, [None] * cfg.n_layer
-            map_weights(self)       # and by default the kernels read the file's map
-        else:
-            self.layers = self.load_map(lambda i: dv.session(S.LAYER_GRAPH.format(i), self.threads,
-                                                             attention_only=dv.on_device), cfg.n_layer)
-            self.downs = [None] * cfg.n_layer if dv.on_device else \
-                self.load_map(lambda i: down_projection(r, cfg, i, self.threads), cfg.n_layer)
-        self.attn = self.layers if dv.on_device else None   # attention-only sessions, made on first need
         self.counters = Counters(cfg.n_layer)
         self.attention = AttentionState(cfg, self.n_ctx, dv.act_dtype, dv.act_at,
                                         r.tensor(S.ROPE_FREQS) if S.ROPE_FREQS in r else None, dv.kv_dtype)
-        self.attention.bind(self.layers)
-        # decode's attention and head through pinfer's C kernels where they cover the layer (native.py)
-        ok = options.dense_kernel == "on" and dv.act_at == "cpu" and dv.act_dtype == np.float32
-        self.native = native.attention_steps(r, cfg, self.threads, self.load_map, options.activation, self.counters.attn_kept) if ok else [None] * cfg.n_layer
-        self.native_head = native.head(r, cfg, self.threads) if ok else None
+        plan.build(self)        # self.layers: one plan.Layer per layer, what runs it and why
+        self.native_head = plan.head(self)      # the head through pinfer's C kernels where they cover it
         dv.loaded(self.attention.kv_bytes)
         self._head_shape = None  # the row count the head's buffers are bound for
         self.n_past = 0
@@ -83,17 +70,7 @@ class Model:
     def set_sparsity(self, override=""):
         """Switch every layer to the rule `override` (RuntimeOptions.sparsity), or back to the
         file's per-layer modes with "". With --ffn-kernel auto, times the paths (autotune)."""
-        self.rules = [LayerRule(self.reader, self.reader.header, i, Rule.of_layer(self.reader.header, i, override),
-                                self.counters) for i in range(self.cfg.n_layer)]
-        self._place([rule.rule.mode for rule in self.rules],
-                    lambda: self.load_map(lambda i: fused_ffn(self, i), self.cfg.n_layer))
-        self.path_choices = []      # what --ffn-kernel auto measured and chose, one PathChoice per rule
-        if self.use_kernels == "auto" and self.devices.ffn == "cpu" and not self.devices.on_device and any(self.ffns):
-            chosen = autotune.choose_paths(self)
-            self.path_choices = [c for c in chosen if isinstance(c, autotune.PathChoice)]
-            self.notes += chosen
-        drop_graphs(self)
-        note_paths(self)
+        plan.set_rules(self, override)
 
     def set_active_sets(self, draw, hotness=None):
         """Decode every layer with the fused kernel over the neurons draw(layer) returns (ascending
@@ -101,45 +78,22 @@ class Model:
         that have no trained predictors (benchmarks/synthetic_decode.py), split between GPU and CPU
         by `hotness` ((n_layer, n_ff), the draws' activation probabilities; default: the file's
         profile, see placement.hotness). set_sparsity() undoes it."""
-        n_layer = self.cfg.n_layer
-        self._place(["given"] * n_layer, lambda: self.load_map(lambda i: LayerFfn(layer_kernel(self, i, "given"), "given"),
-                                                               n_layer), hotness)
+        plan.place(self, None, hotness)
         self.draw = draw
         self.path_choices = []
-
-    def _place(self, modes, make_ffns, hotness=None):
-        """Plan the hot neurons for `modes` (where a split device is in use), then build the layers'
-        fused FFNs with make_ffns() and, for them, the attention-only sessions; prompts go through
-        the dense graphs until autotune says so."""
-        self.one_copy = self.one_copy and one_copy(self, modes) is None
-        ensure_graphs(self)
-        self.devices.release(self.ffns)
-        split = self.devices.ffn != "cpu"
-        self.plan = self.devices.plan(modes, hotness) if split else None
-        self.ffns = make_ffns()
-        if self.one_copy and not all(self.ffns):    # a layer the kernel refused after all: the graphs run it
-            self.one_copy = False
-            ensure_graphs(self)
-        if split:
-            self.devices.report(self.plan)
-        if any(self.ffns) and self.attn is None and not self.one_copy:   # where the C kernels do not take the attention
-            self.attn = self.load_map(lambda i: None if self.native[i] else self.devices.session(
-                S.LAYER_GRAPH.format(i), self.threads, attention_only=True), self.cfg.n_layer)
-            self.attention.bind(self.attn)
-        self.prefill_by_token, self.prefill_times = 0, []
-        self.unbind()      # the bound steps call the rules and kernels
 
     def weight_bytes_per_token(self):
         """Weight bytes a step reads, from the rows read since the last counters.reset() (all rows
         before any call): on the NumPy-rule path every FFN row, with the fused kernel the rows it keeps."""
         return accounting.weight_bytes_per_token(
             self.reader, self.cfg, self.counters.read_fractions(),
-            {i for i, r in enumerate(self.rules) if S.MODES[r.rule.mode].uses_predictor}, accounting.attention_shares(self))
+            {i for i, L in enumerate(self.layers) if S.MODES[L.rule.rule.mode].uses_predictor},
+            accounting.attention_shares(self))
 
     @property
     def sparsity_names(self):
         """The distinct rules the layers run, e.g. ["down:0.3"] (or the activation sparsity)."""
-        return [f"activation:{self.options.activation}"] if self.options.activation else sorted({r.rule.name for r in self.rules})
+        return [f"activation:{self.options.activation}"] if self.options.activation else sorted({L.rule.rule.name for L in self.layers})
 
     # -- binding and routing ---------------------------------------------------------------------
     def bind_activations(self, n):
@@ -167,7 +121,7 @@ class Model:
         """Whether a prompt of n tokens runs through the kernel's batch call (prefill_by_token,
         set by autotune.choose_prefill; the CPU's kernels only)."""
         return 1 < n <= self.prefill_by_token and not self.devices.on_device and \
-            all(f is None or hasattr(f.kernel, "bind_batch") for f in self.ffns)
+            all(L.ffn is None or hasattr(L.ffn.kernel, "bind_batch") for L in self.layers)
 
     # -- a call ------------------------------------------------------------------------------------
     def start(self, tokens, n):

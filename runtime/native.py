@@ -32,9 +32,9 @@ def refusal(reader, cfg, i=None):
     return None if fmts <= set(LINEAR_FORMATS) else f"attention weights in {sorted(map(str, fmts))}"
 
 
-def attention_steps(reader, cfg, threads, load_map, activation=0.0, kept=None):
-    """Per layer an AttentionStep, or None where refusal() says why not, made by load_map (the
-    model's: several layers at a time). The steps read the weights from the file's map where the
+def attention_steps(reader, cfg, threads, load_map, layers, activation=0.0, kept=None):
+    """Per layer an AttentionStep for the layers in `layers` (the planner's choice: plan.decide),
+    None for the others, made by load_map (the model's: several layers at a time). The steps read the weights from the file's map where the
     reader is mapped (RuntimeOptions.mmap), else their own copies (PinfReader.release says why);
     with activation sparsity (RuntimeOptions.activation) the q/k/v and output projections by
     columns, transposed (columns()), counting the inputs they keep into kept[i] ((n_layer, 2)
@@ -43,7 +43,7 @@ def attention_steps(reader, cfg, threads, load_map, activation=0.0, kept=None):
         return reader.tensor(name) if name in reader.tensors else None
 
     def step(i):
-        if refusal(reader, cfg, i):
+        if i not in layers:
             return None
         qkv, out = (columns(reader, cfg, i, activation) if activation else
                     ((reader.block(S.ATTN_QKV.format(i), own=True), None),

@@ -144,7 +144,6 @@ class LayerRule:
         info = header["layers"][layer] if layer < len(header.get("layers", [])) else {}
         self.threshold = None
         self.pred = None
-        self.refusal = None     # why the fused kernel refused this layer under the rule (ffn.fused_ffn), or None
         if rule.mode == "dense":
             return
         thresholds = info.get("thresholds")

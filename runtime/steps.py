@@ -9,7 +9,7 @@ memory; prefill's FFN runs on the host buffers."""
 import numpy as np
 
 from . import hybrid, native
-from .loading import ensure_graphs
+from .plan import ensure_graphs
 from .ort import Buf
 
 
@@ -26,9 +26,9 @@ class Steps:
         if model.attention.writes_back:     # the sessions' new K and V, every layer's in turn
             kv = model.attention.kv[0][0]
             self.new_kv = [np.empty((1, kv.shape[1], n, kv.shape[3]), kv.dtype) for _ in range(2)]
-        if not (kernel and all(model.ffns)):
+        if not (kernel and all(L.ffn is not None for L in model.layers)):
             ensure_graphs(model)
-        self.by_layer = [self.layer(i, kernel and model.ffns[i] is not None) for i in range(model.cfg.n_layer)]
+        self.by_layer = [self.layer(i, kernel and model.layers[i].ffn is not None) for i in range(model.cfg.n_layer)]
         self.run = [s for steps in self.by_layer for s in steps]
 
     def layer(self, i, kernel, rule=None, entry=None):
@@ -36,12 +36,12 @@ class Steps:
         session) and the fused FFN kernel (decode, or a prompt in one batch call; `entry` a
         LayerFfn, default the layer's), or the whole layer graph, `rule` (default the layer's) and
         the down projection."""
-        m = self.model
-        if kernel and m.native[i] is not None:     # the attention through the C kernels, a prompt in one call
-            attn = [native.bind_layer(m.native[i], m.attention, i, self.resid[i % 2], self.delta,
+        m, L = self.model, self.model.layers[i]
+        if kernel and L.native is not None:     # the attention through the C kernels, a prompt in one call
+            attn = [native.bind_layer(L.native, m.attention, i, self.resid[i % 2], self.delta,
                                       self.resid[(i + 1) % 2], self.x)]
         else:
-            layer = m.attn[i] if kernel else m.layers[i]
+            layer = L.attn if kernel else L.graph
             if not kernel:
                 layer.bind_out("ffn_h", self.h)
             layer.bind_in("resid", self.resid[i % 2])
@@ -55,8 +55,8 @@ class Steps:
                 layer.bind_out("new_value", new_v)
                 attn.append(lambda: state.write_back(i, new_k, new_v))
         if kernel:
-            return attn + [self._kernel(i, entry or m.ffns[i]) if self.n == 1 else self._batch(i)]
-        return attn + [(rule or m.rules[i]).bind(self.x.np[0], self.h[0]), m.downs[i].bind(self.h[0], self.delta.np[0])]
+            return attn + [self._kernel(i, entry or L.ffn) if self.n == 1 else self._batch(i)]
+        return attn + [(rule or L.rule).bind(self.x.np[0], self.h[0]), L.down.bind(self.h[0], self.delta.np[0])]
 
     def _kernel(self, i, entry):
         m = self.model
@@ -82,7 +82,7 @@ class Steps:
         """Layer i's FFN over the n tokens of a prompt in one call of the kernel: each token gets
         the bits of its own decode call, the weight rows read once for all of them."""
         m, n = self.model, self.n
-        entry = m.ffns[i]
+        entry = m.layers[i].ffn
         ffn, mode = entry.kernel, entry.mode
         run = ffn.bind_batch(self.x.np[0], self.delta.np[0], mode, entry.threshold, entry.pred_threshold)
         c, n_ff, draw = m.counters, m.cfg.n_ff, m.draw if mode == "given" else None

@@ -187,8 +187,8 @@ def test_activation_sparsity_decodes_as_the_reference_drops(act_file):
     from pinfer.kernels import ColumnFFN
     from pinfer.runtime.model import Model, RuntimeOptions
     m = Model(act_file, RuntimeOptions(activation=0.3, kernels="on", sparsity="dense", threads=1))
-    assert all(isinstance(f.kernel, ColumnFFN) for f in m.ffns)
-    assert all(s.cols[0].q and s.cols[1].q for s in m.native)        # q/k/v and output by columns
+    assert all(isinstance(f.kernel, ColumnFFN) for f in [L.ffn for L in m.layers])
+    assert all(s.cols[0].q and s.cols[1].q for s in [L.native for L in m.layers])        # q/k/v and output by columns
     said = "\n".join(n.describe() for n in m.notes)
     assert "attention: C kernels, by columns; FFN: columns, activation sparsity 0.3" in said, said
     layers = m.reader.header["layers"]
@@ -314,7 +314,7 @@ def test_activation_sparsity_auto_runs_the_chosen_levels(act_file, silu_file):
     header = PinfReader(act_file).header
     chosen = header["sparsity"]["activation"]["chosen"]
     m = Model(act_file, RuntimeOptions(activation="auto", kernels="on", sparsity="dense", threads=1))
-    for i, f in enumerate(m.ffns):
+    for i, f in enumerate([L.ffn for L in m.layers]):
         th = header["layers"][i]["input_thresholds"]
         want_x = th["gate_up"][f"{chosen['gate_up']:g}"] if chosen["gate_up"] else 0.0
         assert f.kernel.thr_x == pytest.approx(want_x)
@@ -405,18 +405,18 @@ def test_a_projection_at_level_0_runs_by_rows(act_file, tmp_path):
     from pinfer.runtime.model import Model, RuntimeOptions
     opts = RuntimeOptions(activation="auto", kernels="on", sparsity="dense", threads=1)
     attn = Model(_with_chosen(act_file, tmp_path / "attn.pinf", {"qkv": 0.3, "o": 0.3, "gate_up": 0, "down": 0}), opts)
-    assert all(isinstance(f.kernel, SparseFFN) and f.mode == "dense" for f in attn.ffns)
-    assert all(s.cols[0].q and s.cols[1].q for s in attn.native)
+    assert all(isinstance(f.kernel, SparseFFN) and f.mode == "dense" for f in [L.ffn for L in attn.layers])
+    assert all(s.cols[0].q and s.cols[1].q for s in [L.native for L in attn.layers])
     said = "\n".join(n.describe() for n in attn.notes)
     assert "attention: C kernels, by columns; FFN: fused kernel, dense" in said, said
     # the file's own down rule is what activation sparsity replaces: the FFN at 0 is dense, not down:S
-    assert {r.rule.mode for r in attn.rules} <= {"dense", "down"}
+    assert {r.rule.mode for r in [L.rule for L in attn.layers]} <= {"dense", "down"}
     own = Model(tmp_path / "attn.pinf", RuntimeOptions(activation="auto", kernels="on", threads=1))
-    assert any(r.rule.mode == "down" for r in own.rules), [r.rule.name for r in own.rules]
-    assert all(f.mode == "dense" for f in own.ffns)
+    assert any(r.rule.mode == "down" for r in [L.rule for L in own.layers]), [r.rule.name for r in [L.rule for L in own.layers]]
+    assert all(f.mode == "dense" for f in [L.ffn for L in own.layers])
     ffn = Model(_with_chosen(act_file, tmp_path / "ffn.pinf", {"qkv": 0, "o": 0, "gate_up": 0.3, "down": 0.3}), opts)
-    assert all(isinstance(f.kernel, ColumnFFN) for f in ffn.ffns)
-    assert not any(s.cols[0].q or s.cols[1].q for s in ffn.native)
+    assert all(isinstance(f.kernel, ColumnFFN) for f in [L.ffn for L in ffn.layers])
+    assert not any(s.cols[0].q or s.cols[1].q for s in [L.native for L in ffn.layers])
     ids = [5, 6, 7, 8]
     # each is the dense model in the part at level 0: dense decode's logits (C attention, the fused
     # kernel's dense mode: --ffn-kernel auto) where every projection is at 0

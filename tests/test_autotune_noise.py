@@ -65,7 +65,7 @@ def test_dense_layers_the_c_kernels_take_are_not_timed(silu_file, monkeypatch):
     m = Model(silu_file, RuntimeOptions(threads=1, device="cpu", sparsity="dense"))
     [choice] = m.path_choices
     assert (choice.rule, choice.path, choice.tokens) == ("dense", "kernel-dense", 0)
-    assert all(f is not None and f.mode == "dense" for f in m.ffns)
+    assert all(f is not None and f.mode == "dense" for f in [L.ffn for L in m.layers])
     assert "untimed" in choice.describe() and choice.quiet      # nothing measured: said with -v only
 
 

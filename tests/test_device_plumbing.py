@@ -172,7 +172,7 @@ def test_a_split_layer_holds_its_cold_rows_alone(silu_file):
                   if min(hot := placement.plan(r, cfg, ["dense"] * 2, b).hot) > 0 and min(hot) < cfg.n_ff)
     m = Model(silu_file, RuntimeOptions(sparsity="dense", kernels="on", threads=1, device="cpu-split",
                                         vram_budget=budget / placement.GIB))
-    split = [(i, e.kernel) for i, e in enumerate(m.ffns) if 0 < m.plan.hot[i] < cfg.n_ff]
+    split = [(i, e.kernel) for i, e in enumerate([L.ffn for L in m.layers]) if 0 < m.plan.hot[i] < cfg.n_ff]
     assert split, m.plan.hot
     for i, ffn in split:
         assert ffn.cold.n_ff == cfg.n_ff - m.plan.hot[i]

@@ -46,10 +46,10 @@ def test_auto_runs_what_it_reports(silu_file, sparsity, capfd):
     assert m.sparsity_names == ["dense"]          # the rule is dropped
     want = _decode(Model(silu_file, _opts(sparsity="dense", kernels="off")))
     if choice.path == "dense":
-        assert not any(m.ffns)
+        assert not any([L.ffn for L in m.layers])
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), choice
     else:                                         # the kernel's int8 activations against MatMulNBits'
-        assert all(f.mode == "dense" for f in m.ffns)
+        assert all(f.mode == "dense" for f in [L.ffn for L in m.layers])
         assert np.abs(got - want).max() < 0.05 * np.abs(want).max(), choice
         assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
@@ -68,7 +68,7 @@ def test_each_way_of_the_choice(silu_file, monkeypatch, keep_below, path):
     monkeypatch.setattr(autotune, "KEEP_BELOW", keep_below)
     m = Model(silu_file, _opts(sparsity="down:0.3"))
     assert [c.path for c in m.path_choices] == [path]
-    assert all(m.ffns) == (path == "kernel") and any(m.ffns) == (path == "kernel")
+    assert all([L.ffn for L in m.layers]) == (path == "kernel") and any([L.ffn for L in m.layers]) == (path == "kernel")
     assert m.n_past == 0 and m.counters.full == 0      # the timing leaves no trace
     m.forward(IDS[:8])
     gu, down = m.counters.fractions()
@@ -133,24 +133,24 @@ def test_graphs_no_call_takes_are_let_go_and_made_again_when_one_does(silu_file)
     batch call at its most tokens, ONNX Runtime's layer sessions and the ONNX path's down
     projections are dropped; a call through the graphs later makes them again, and gives what a
     model that never dropped them gives."""
-    from pinfer.runtime.loading import drop_graphs
+    from pinfer.runtime.plan import drop_graphs
     m = Model(silu_file, _opts(sparsity="down:0.3", kernels="on", n_ctx=256))
     ref = Model(silu_file, _opts(sparsity="down:0.3", kernels="on", n_ctx=256))
-    assert all(s is not None for s in m.native) and all(m.ffns)
+    assert all(s is not None for s in [L.native for L in m.layers]) and all([L.ffn for L in m.layers])
     drop_graphs(m)                          # prompts still through the graphs: nothing to drop
-    assert all(s is not None for s in m.layers)
+    assert all(s is not None for s in [L.graph for L in m.layers])
     m.prefill_through_kernel(autotune.PREFILL_SIZES[-1])
     drop_graphs(m)
-    assert all(s is None for s in m.layers) and all(d is None for d in m.downs)
+    assert all(s is None for s in [L.graph for L in m.layers]) and all(d is None for d in [L.down for L in m.layers])
     m.forward(IDS[:20])
     m.forward(IDS[20:21])
-    assert all(s is None for s in m.layers)     # neither a prompt nor a token took them
+    assert all(s is None for s in [L.graph for L in m.layers])     # neither a prompt nor a token took them
     m.prefill_through_kernel(0)
     for model in (m, ref):
         model.prefill_through_kernel(0)
         model.reset()
     got, want = m.forward(IDS[:8], logits_from=0), ref.forward(IDS[:8], logits_from=0)
-    assert all(s is not None for s in m.layers) and all(d is not None for d in m.downs)
+    assert all(s is not None for s in [L.graph for L in m.layers]) and all(d is not None for d in [L.down for L in m.layers])
     np.testing.assert_array_equal(got, want)    # the same sessions, made again, on the same inputs
 
 
@@ -159,20 +159,20 @@ def test_new_rules_after_the_graphs_were_let_go_make_them_again_first(silu_file,
     the down projections: after drop_graphs it makes them again first, then decodes as a model
     loaded with that rule does. (The timing is made to keep the rule's kernel, whatever this
     machine measures, so that there is something to let go.)"""
-    from pinfer.runtime import model as model_mod
-    from pinfer.runtime.loading import drop_graphs, ensure_graphs
+    from pinfer.runtime import plan
+    from pinfer.runtime.plan import drop_graphs, ensure_graphs
     monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
     m = Model(silu_file, _opts(sparsity="down:0.3"))
-    assert all(m.ffns)
+    assert all([L.ffn for L in m.layers])
     m.prefill_through_kernel(autotune.PREFILL_SIZES[-1])
     drop_graphs(m)
-    assert all(s is None for s in m.layers)
+    assert all(s is None for s in [L.graph for L in m.layers])
     made = []
 
     def ensure(model):      # the graphs exist again before the timing and the new kernels
         ensure_graphs(model)
-        made.append(all(s is not None for s in model.layers) and all(d is not None for d in model.downs))
-    monkeypatch.setattr(model_mod, "ensure_graphs", ensure)
+        made.append(all(s is not None for s in [L.graph for L in model.layers]) and all(d is not None for d in [L.down for L in model.layers]))
+    monkeypatch.setattr(plan, "ensure_graphs", ensure)
     m.set_sparsity("dense")
     assert made == [True]
     ref = Model(silu_file, _opts(sparsity="dense", kernels="on"))
@@ -212,7 +212,7 @@ def test_off_and_on_time_nothing(silu_file, capfd):
         m = Model(silu_file, opts)
         assert m.path_choices == [] and m.prefill_by_token == 0
         assert not any("ffn:" in n.describe() for n in m.notes)
-        assert any(m.ffns) == (opts.sparsity == "down:0.3" and opts.kernels == "on")
+        assert any([L.ffn for L in m.layers]) == (opts.sparsity == "down:0.3" and opts.kernels == "on")
     assert "ffn:" not in capfd.readouterr().err
     for bad in ("sometimes", True):         # checked when the options are made, not at load
         with pytest.raises(ValueError, match="not one of auto, on, off"):
@@ -233,7 +233,7 @@ def test_dense_layers_take_the_kernels_dense_mode_where_it_is_faster(silu_file, 
     said = choice.describe()
     assert said.startswith("ffn: dense on 2 layers, time against ONNX Runtime's dense path here (1 thread, fastest of ")
     assert said.endswith("running them through " + ("the kernel" if path == "kernel-dense" else "ONNX Runtime"))
-    assert all(m.ffns) == (path == "kernel-dense") and all(f.mode == "dense" for f in m.ffns if f)
+    assert all([L.ffn for L in m.layers]) == (path == "kernel-dense") and all(f.mode == "dense" for f in [L.ffn for L in m.layers] if f)
     want = _decode(Model(silu_file, _opts(sparsity="dense", kernels="off")))
     got = _decode(m)
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
@@ -283,7 +283,7 @@ def test_large_dense_models_are_not_timed_unless_the_graph_lacks_matmulnbits(tmp
     assert [c.rule for c in Model(plain, _opts()).path_choices] == ["dense"]
     monkeypatch.setattr(ffn, "DENSE_TIMING_MAX_ATTN_BYTES", 0)
     m = Model(plain, _opts(dense_kernel="off"))
-    assert m.path_choices == [] and not any(m.ffns) and m.attn is None
+    assert m.path_choices == [] and not any([L.ffn for L in m.layers]) and all(L.attn is None for L in m.layers)
     assert [c.rule for c in Model(plain, _opts()).path_choices] == ["dense"]
     hot_first = convert_tiny_silu(tmp_path, order="hot-first")
     assert PinfReader(hot_first).header["weights"]["blk.0.ffn_down_t"] == "q8"

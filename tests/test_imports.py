@@ -3,9 +3,12 @@ direction only, formats <- kernels <- runtime <- converter <- cli (the converter
 runtime to verify its output; the runtime never imports the converter)."""
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("formats", "kernels", "runtime", "converter", "cli")     # each may import those before it
@@ -99,33 +102,38 @@ def test_functions_classes_and_the_model_stay_small():
     assert len((ROOT / "runtime" / "model.py").read_text().splitlines()) <= 250
 
 
-LAYER_LISTS = {"layers", "downs", "attn", "native", "ffns", "rules"}     # a Model's per-layer paths and objects
-PLANNERS = {ROOT / "runtime" / "model.py", ROOT / "runtime" / "loading.py"}
+# a Model's layers (plan.Layer), and the per-layer lists they replaced: assigned by the planner alone
+LAYER_LISTS = {"layers", "downs", "attn", "native", "ffns", "rules"}
+PLANNER = ROOT / "runtime" / "plan.py"
 
 
 def _layer_list_assignments(path):
-    """(line, target) of each assignment in `path` to x.<list> or x.<list>[...] (x not self) for a
-    Model's per-layer lists."""
+    """(line, target) of each assignment in `path` to x.<list> or x.<list>[...] for a Model's
+    per-layer lists (self.<list> too in runtime/model.py, the Model's own module)."""
+    model = path.name == "model.py" and path.parent.name == "runtime"
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         targets = node.targets if isinstance(node, ast.Assign) else \
             [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
         for t in targets:
             t = t.value if isinstance(t, ast.Subscript) else t
-            if isinstance(t, ast.Attribute) and t.attr in LAYER_LISTS and not \
-                    (isinstance(t.value, ast.Name) and t.value.id == "self"):
+            if isinstance(t, ast.Attribute) and t.attr in LAYER_LISTS and (model or not (
+                    isinstance(t.value, ast.Name) and t.value.id == "self")):
                 out.append((node.lineno, ast.unparse(t)))
     return out
 
 
 def test_only_the_planner_changes_a_layers_path():
-    """A layer's path is decided where the model is built (runtime/model.py) and changed only by
-    runtime/loading.py (graphs kept or let go, autotune's choices applied, the path note): no other
-    module of the product assigns a model's per-layer lists."""
+    """One function decides a layer's path (plan.decide) and one module makes and changes the
+    layers (runtime/plan.py): no other module of the product assigns a model's layers, Model's own
+    module included. A Layer is frozen, so a change is a new Layer put in place by the planner."""
     files = [f for pkg in ("runtime", "converter", "cli", "formats") for f in (ROOT / pkg).rglob("*.py")]
     files += list((ROOT / "pinfer" / "kernels").rglob("*.py"))
-    found = {str(f.relative_to(ROOT)): hits for f in files if f not in PLANNERS and (hits := _layer_list_assignments(f))}
+    found = {str(f.relative_to(ROOT)): hits for f in files if f != PLANNER and (hits := _layer_list_assignments(f))}
     assert not found, found
+    from pinfer.runtime.plan import Layer
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Layer().ffn = None
 
 
 def test_the_planner_check_sees_an_assignment(tmp_path):
@@ -134,3 +142,7 @@ def test_the_planner_check_sees_an_assignment(tmp_path):
     f.write_text("def f(model, i):\n    model.ffns[i] = None\n    model.layers = []\n    model.rules += []\n"
                  "    self.ffns = []\n    a.b = 1\n")
     assert [t for _, t in _layer_list_assignments(f)] == ["model.ffns", "model.layers", "model.rules"]
+    (tmp_path / "runtime").mkdir()
+    g = tmp_path / "runtime" / "model.py"
+    g.write_text("class Model:\n    def f(self):\n        self.layers = []\n")
+    assert [t for _, t in _layer_list_assignments(g)] == ["self.layers"]

@@ -68,8 +68,8 @@ def _kernel_model(path, monkeypatch, **kw):
     monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
     kw.setdefault("kv_type", "f32")
     m = Model(path, RuntimeOptions(threads=kw.pop("threads", 1), n_ctx=64, device="cpu", **kw))
-    assert all(m.ffns) and all(s is not None for s in m.native) and m.native_head is not None
-    assert m.attn is None or all(a is None for a in m.attn)      # no attention-only sessions built
+    assert all([L.ffn for L in m.layers]) and all(s is not None for s in [L.native for L in m.layers]) and m.native_head is not None
+    assert all(L.attn is None for L in m.layers)      # no attention-only sessions built
     return m
 
 
@@ -134,7 +134,7 @@ def test_native_layer_step_matches_the_attention_session(gguf_file):
     sess.run()
     want = [a.copy() for a in (st.resid[0].np, st.x.np, k.np[0, :, pos], v.np[0, :, pos])]
     k.np[...], v.np[...] = before
-    native.bind_layer(m.native[i], m.attention, i, st.resid[1], st.delta, st.resid[0], st.x)()
+    native.bind_layer([L.native for L in m.layers][i], m.attention, i, st.resid[1], st.delta, st.resid[0], st.x)()
     got = (st.resid[0].np, st.x.np, k.np[0, :, pos], v.np[0, :, pos])
     for a, b in zip(got, want):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
@@ -164,7 +164,7 @@ def test_f16_cache_holds_the_f32_values_rounded_to_nearest_even(gguf_file, isa):
         if kv == "f32":         # the earlier positions as the f16 cache holds them
             k16, v16 = models["f16"].attention.kv[1]
             k.np[...], v.np[...] = k16.np.astype(np.float32), v16.np.astype(np.float32)
-        native.bind_layer(m.native[1], m.attention, 1, st.resid[1], st.delta, st.resid[0], st.x)()
+        native.bind_layer([L.native for L in m.layers][1], m.attention, 1, st.resid[1], st.delta, st.resid[0], st.x)()
         pos = m.n_past
         out[kv] = (st.resid[0].np.copy(), st.x.np.copy(), k.np[0, :, pos].copy(), v.np[0, :, pos].copy())
     for i in (2, 3):
@@ -411,7 +411,7 @@ def test_refused_layers_keep_their_sessions(tmp_path, monkeypatch):
     path = _convert(tmp_path / "opt", tmp_path / "opt.pinf")
     monkeypatch.setattr(autotune, "KEEP_BELOW", 1e9)
     m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kv_type="f32"))
-    assert all(s is None for s in m.native) and m.native_head is None
+    assert all(s is None for s in [L.native for L in m.layers]) and m.native_head is None
     assert "LayerNorm" in native.refusal(m.reader, m.cfg, 0) and "LayerNorm" in native.refusal(m.reader, m.cfg)
     [paths] = [n for n in m.notes if n.describe().startswith("paths:")]    # the reasons, said with -v
     assert paths.quiet and f"layers 0-{m.cfg.n_layer - 1}: attention: ONNX Runtime (LayerNorm" in paths.describe()
@@ -420,7 +420,7 @@ def test_refused_layers_keep_their_sessions(tmp_path, monkeypatch):
                                               kv_type="f32")))
     _assert_close_but_for_roundings(_decode(m), want)
     off = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", dense_kernel="off"))
-    assert off.native_head is None and all(s is None for s in off.native)
+    assert off.native_head is None and all(s is None for s in [L.native for L in off.layers])
 
 
 @pytest.mark.parametrize("case", ["llama3.1", "qwen2", "phi3", "llama-tied", "qwen3", "mistral", "gemma2", "gemma3"])

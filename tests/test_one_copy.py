@@ -43,11 +43,11 @@ def test_one_copy_builds_no_layer_graph_and_gives_the_graphs_results(silu_file, 
     graphs = _load(silu_file, False, monkeypatch)
     graphs.prefill_through_kernel(0)        # every prompt through the layer graphs
     want = _run(graphs)
-    assert not graphs.one_copy and all(s is not None for s in graphs.layers + graphs.downs)
+    assert not graphs.one_copy and all(s is not None for s in [L.graph for L in graphs.layers] + [L.down for L in graphs.layers])
     m = _load(silu_file, True, monkeypatch)
     assert m.one_copy
-    assert m.layers == [None] * m.cfg.n_layer and m.downs == [None] * m.cfg.n_layer and m.attn is None
-    assert all(f is not None for f in m.ffns) and all(s is not None for s in m.native)
+    assert [L.graph for L in m.layers] == [None] * m.cfg.n_layer and [L.down for L in m.layers] == [None] * m.cfg.n_layer and all(L.attn is None for L in m.layers)
+    assert all(f is not None for f in [L.ffn for L in m.layers]) and all(s is not None for s in [L.native for L in m.layers])
     choice = [c for c in m.notes if isinstance(c, autotune.PrefillChoice)]
     assert len(choice) == 1 and choice[0].untimed and choice[0].quiet and "held once" in choice[0].describe()
     assert m.batches(24) and autotune.chunk_size(m, 100) == 50     # two equal batch calls
@@ -57,7 +57,7 @@ def test_one_copy_builds_no_layer_graph_and_gives_the_graphs_results(silu_file, 
     assert expected == held + m.attention.kv_bytes + accounting.PROCESS_BYTES
     assert any(f"about {expected / 1e9:.2f} GB in all" in n.describe() for n in m.notes)
     got = _run(m)
-    assert m.layers == [None] * m.cfg.n_layer       # no call built a graph
+    assert [L.graph for L in m.layers] == [None] * m.cfg.n_layer       # no call built a graph
     err = np.abs(got - want).max(axis=-1) / np.abs(want).max()
     assert np.median(err) <= 1e-5 and err.max() <= 1e-2, err
     assert (got.argmax(-1) == want.argmax(-1)).all()
@@ -71,8 +71,8 @@ def test_a_sparse_rule_brings_the_graphs_back(silu_file, monkeypatch):
     assert m.one_copy and m.reader.mapped
     m.set_sparsity("down:0.3")
     assert not m.reader.mapped
-    assert all(m.ffns)      # the kernel takes down:0.3, over copies now
-    gu = m.ffns[0].kernel.keep[0][1]["q"]
+    assert all([L.ffn for L in m.layers])      # the kernel takes down:0.3, over copies now
+    gu = [L.ffn for L in m.layers][0].kernel.keep[0][1]["q"]
     assert not np.shares_memory(gu, m.reader.tensor("blk.0.ffn_gate_up.q"))
     # timed against the layer graphs, so they were made (whether they stay after the load depends on
     # which prompt route wins the timing: loading.drop_graphs)
@@ -92,7 +92,7 @@ def test_a_layer_the_kernel_refuses_after_all_brings_the_graphs_back(silu_file, 
         return real(model, i, mode)
     monkeypatch.setattr(ffn, "layer_kernel", refuse_layer_1)
     m = _load(silu_file, True, monkeypatch)
-    assert not m.one_copy and m.ffns[1] is None and all(s is not None for s in m.layers)
+    assert not m.one_copy and [L.ffn for L in m.layers][1] is None and all(s is not None for s in [L.graph for L in m.layers])
     assert not any("the weights once" in n.describe() for n in m.notes)     # no one-copy memory note
     [paths] = [n.describe() for n in m.notes if n.describe().startswith("paths:")]
     assert "layer 1: attention: C kernels; FFN: ONNX Runtime's graph (a format the kernel lacks)" in paths, paths
@@ -172,14 +172,14 @@ def test_by_default_one_copy_reads_the_map_and_gives_the_copies_results(silu_fil
     m = _load(silu_file, True, monkeypatch)
     assert m.one_copy and m.reader.mapped
     r = m.reader
-    for i, entry in enumerate(m.ffns):
+    for i, entry in enumerate([L.ffn for L in m.layers]):
         (_, gu), _ = entry.kernel.keep[:2]
         assert np.shares_memory(gu["q"], r.tensor(f"blk.{i}.ffn_gate_up.q"))
         assert entry.kernel.keep[3] is not None     # W_down, made
     np.testing.assert_array_equal(_run(m), want)
     copies = _load(silu_file, True, monkeypatch, mmap=False)
     assert not copies.reader.mapped
-    gu = copies.ffns[0].kernel.keep[0][1]["q"]
+    gu = [L.ffn for L in copies.layers][0].kernel.keep[0][1]["q"]
     assert not np.shares_memory(gu, copies.reader.tensor("blk.0.ffn_gate_up.q"))
     small = _load(silu_file, False, monkeypatch)        # not one copy: the graphs, and copies for the kernels
     assert not small.one_copy and not small.reader.mapped
@@ -195,7 +195,7 @@ def test_mmap_reads_the_map_and_gives_the_copies_results(silu_file, monkeypatch)
     m = _load(silu_file, True, monkeypatch, mmap=True)
     assert m.one_copy and m.reader.mapped
     r = m.reader
-    for i, entry in enumerate(m.ffns):
+    for i, entry in enumerate([L.ffn for L in m.layers]):
         (_, gu), (_, dn) = entry.kernel.keep[:2]
         assert np.shares_memory(gu["q"], r.tensor(f"blk.{i}.ffn_gate_up.q"))
         assert np.shares_memory(dn["q"], r.tensor(f"blk.{i}.ffn_down_t.q"))

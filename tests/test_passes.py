@@ -61,7 +61,7 @@ def test_an_unverified_conversion_still_reports_its_calibration(relu_files):
 def test_relu_with_a_perfect_mask_equals_dense(relu_files):
     dense = Model(relu_files["hot-first"], RuntimeOptions(kernels="off", sparsity="dense"))
     sparse = Model(relu_files["hot-first"], RuntimeOptions(kernels="off", sparsity="relu:0.99"))
-    for rule in sparse.rules:       # every neuron a candidate: the exact rule h > 0 alone decides
+    for rule in [L.rule for L in sparse.layers]:       # every neuron a candidate: the exact rule h > 0 alone decides
         rule.pred = (*rule.pred[:3], np.float32(-np.inf))
     ids = _ids(dense)
     a = dense.forward(ids, logits_from=0)
@@ -179,7 +179,7 @@ def test_kernel_decode_agrees_with_the_numpy_rules(silu_file, relu_files, which,
     path on the same file: same tokens chosen, the same share of rows read."""
     path = silu_file if which == "silu" else relu_files["hot-first"]
     models = {k: Model(path, RuntimeOptions(sparsity=sparsity, kernels=k, threads=1)) for k in ("off", "on")}
-    assert all(f is not None for f in models["on"].ffns) and not any(models["off"].ffns)
+    assert all(f is not None for f in [L.ffn for L in models["on"].layers]) and not any([L.ffn for L in models["off"].layers])
     ids = _ids(models["off"], 40)
     logits = {}
     for k, m in models.items():

@@ -84,7 +84,7 @@ def test_decode_kernels_top1_agreement_with_reference(session, windows):
     def decode(window):
         model.reset()
         return np.concatenate([model.forward([t]) for t in window])
-    assert all(s is not None for s in model.native) and model.native_head is not None    # the C kernels run
+    assert all(s is not None for s in [L.native for L in model.layers]) and model.native_head is not None    # the C kernels run
     agree, rms = _agreement(windows, decode)
     assert agree >= 0.955
     assert rms < 0.5
