@@ -1,0 +1,65 @@
+"""The planner (runtime/plan.py): each layer's LayerPlan says where its attention and FFN run and
+why, the objects it holds are the ones its plan names, and the path note is the plans' text."""
+
+import dataclasses
+
+import pytest
+
+from pinfer.runtime import autotune, ffn, plan
+from pinfer.runtime.model import Model, RuntimeOptions
+
+
+def _paths_note(m):
+    [note] = [n.describe() for n in m.notes if isinstance(n, plan.PathNote) and n.describe().startswith("paths:")]
+    return note
+
+
+@pytest.mark.parametrize("kw, attention, ffn_path, why", [
+    ({"kernels": "on", "sparsity": "down:0.3"}, ("kernels", ""), "kernel", ""),
+    ({"kernels": "off"}, ("kernels", ""), "graph", "--ffn-kernel off"),
+    ({"kernels": "on", "sparsity": "dense"}, ("kernels", ""), "graph", "--ffn-kernel on takes sparse layers"),
+    ({"kernels": "on", "sparsity": "down:0.3", "dense_kernel": "off"}, ("graph", "--dense-kernel off"), "kernel", ""),
+])
+def test_each_layers_plan_names_its_path_its_reason_and_holds_its_objects(silu_file, kw, attention, ffn_path, why):
+    m = Model(silu_file, RuntimeOptions(threads=1, **kw))
+    note = _paths_note(m)
+    for i, L in enumerate(m.layers):
+        p = L.plan
+        assert (p.attention, p.attention_why) == attention and p.ffn == ffn_path and p.ffn_why.startswith(why), p
+        assert (L.native is not None) == (p.attention == "kernels")
+        assert (L.ffn is not None) == (p.ffn != "graph")
+        assert L.ffn is None or L.ffn.mode == p.mode
+        assert p.describe() in note        # the note says what the plan says
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.layers[0].ffn = None
+
+
+def test_the_loads_timing_is_applied_by_the_planner_and_said(silu_file, monkeypatch):
+    """A timed rule that does not pay: autotune returns its choice, the planner drops the rule, and
+    the layer's plan (and the note) says the timing chose it."""
+    monkeypatch.setattr(autotune, "KEEP_BELOW", 1e-9)      # the rule never pays, the kernel's dense mode never wins
+    m = Model(silu_file, RuntimeOptions(threads=1, sparsity="down:0.3"))
+    [choice] = m.path_choices
+    assert choice.path == "dense" and choice.which == (0, 1)
+    for L in m.layers:
+        assert (L.plan.ffn, L.plan.mode, L.chosen, L.ffn) == ("graph", "dense", "dense", None)
+        assert L.rule.rule.mode == "dense"
+    assert "FFN: ONNX Runtime's graph (ONNX Runtime's dense path, as the load's timing chose)" in _paths_note(m)
+
+
+def test_a_kernel_that_refuses_a_layer_carries_its_reason_to_the_note(silu_file, monkeypatch):
+    """No silent fallback: the kernel's ValueError is the layer's refusal, its plan's reason and the
+    note's text."""
+    real = ffn.layer_kernel
+
+    def refuse_layer_0(model, i, mode):
+        if i == 0:
+            raise ValueError("layer 0's rows are in a format made up for this test")
+        return real(model, i, mode)
+    monkeypatch.setattr(ffn, "layer_kernel", refuse_layer_0)
+    m = Model(silu_file, RuntimeOptions(threads=1, kernels="on", sparsity="down:0.3"))
+    L0, L1 = m.layers
+    assert L0.ffn is None and L0.refusal.startswith("layer 0's rows") and L0.plan.ffn == "graph"
+    assert L1.ffn is not None and L1.plan.ffn == "kernel"
+    assert "layer 0: attention: C kernels; FFN: ONNX Runtime's graph (layer 0's rows are in a format made up" \
+        in _paths_note(m)
