@@ -16,7 +16,8 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 # (pinfer.formats = formats/, ...) with an "Editable installation." notice, a warning in form only
 # (setuptools.warnings.InformationOnly) that pip prints even with -q; tests/conftest.py already keeps
 # the checkout's folders from shadowing installed packages, the case that notice is about.
-$(VENV)/.installed: pyproject.toml setup.py constraints.txt pinfer/kernels/csrc/*.c pinfer/kernels/csrc/*.h
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt pinfer/kernels/csrc/*.c pinfer/kernels/csrc/*.h \
+    pinfer/kernels/csrc/x86/*.c pinfer/kernels/csrc/x86/*.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

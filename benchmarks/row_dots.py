@@ -1,7 +1,7 @@
 """How fast pinfer's row dots read q4 weights from memory: one linear (decode.c's head call) over a
 matrix larger than the caches, the weights in transparent huge pages (formats.reader.huge_copy, as
 the runtime holds them) or in 4 KB pages (MADV_NOHUGEPAGE), at row widths from SmolLM2's to 7B's.
-Rows of up to SHORT_ROW (dots.h) weights are read four at a time, longer ones one at a time.
+Rows of up to SHORT_ROW (csrc/quants.h) weights are read four at a time, longer ones one at a time.
 
     python benchmarks/row_dots.py [--widths 576,1536,4096,11008] [--mb 96] [--threads 1] [--isa avx2]
 

@@ -249,7 +249,7 @@ def test_head_rows_give_each_row_its_own_calls_bits(fmt, isa):
 @pytest.mark.parametrize("isa", AVAILABLE)
 def test_row_dots_bits_do_not_depend_on_the_thread_split(k, isa):
     """A q4 matrix of 1002 rows on 2 threads gives the same bits as on 1. A row read alone sums in
-    another order than in a block of four (dots.h), so the threads take whole blocks: split by rows
+    another order than in a block of four (quants.h), so the threads take whole blocks: split by rows
     (501 each), the first range would end inside a block and read its last row alone. Rows of 576
     columns go four at a time; rows of 1088 (past SHORT_ROW) always alone."""
     sparse_isa(isa)

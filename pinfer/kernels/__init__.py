@@ -27,6 +27,8 @@ def _load():
     lib.pinfer_untranspose_q.restype = None
     lib.pinfer_sparse_isa.argtypes = [c_int]
     lib.pinfer_sparse_isa.restype = c_int
+    lib.pinfer_isa_ran.argtypes = [c_int]
+    lib.pinfer_isa_ran.restype = ctypes.c_uint
     lib.pinfer_cols.argtypes = [c_int, p, p, p, i64, i64, p, ctypes.c_float, p, p, p, c_int]
     lib.pinfer_cols.restype = i64
     lib.pinfer_cols_ffn.argtypes = [p]
@@ -76,14 +78,14 @@ class _Library:
 
     def __getattr__(self, name):
         lib = _load()
-        for fn in ("pinfer_down", "pinfer_cols", "pinfer_cols_ffn", "pinfer_untranspose_q", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa", "pinfer_attn_call",
+        for fn in ("pinfer_down", "pinfer_cols", "pinfer_cols_ffn", "pinfer_untranspose_q", "pinfer_ffn_call", "pinfer_ffn_batch", "pinfer_sparse_isa", "pinfer_isa_ran", "pinfer_attn_call",
                    "pinfer_attn_batch", "pinfer_head_call", "pinfer_head_rows", "pinfer_attn_work", "pinfer_head_work"):
             setattr(self, fn, getattr(lib, fn))
         return getattr(lib, name)
 
 
 _lib = _Library()
-MAX_D = 65536   # d_model the sparse FFN's stack buffers hold (ffn_sparse.c)
+MAX_D = 65536   # d_model the sparse FFN's stack buffers hold (MAX_D in csrc/quants.h)
 MAX_BATCH = 64  # tokens of one batch call (csrc/codes.h: the FFN's tokens of a neuron are one 64-bit mask)
 
 # The numbers the kernels take, as csrc/codes.h defines them (check_abi compares them when the
@@ -291,9 +293,17 @@ ROWS_FROM = 0.5
 
 
 def sparse_isa(want=None):
-    """The instruction set the sparse kernels use; `want` ("portable", "avx2", "avx512") forces a
-    lower one (tests), and the best the CPU has is used when it lacks the one asked for."""
+    """The instruction set every C kernel uses (one switch: csrc/quants.h); `want` ("portable",
+    "avx2", "avx512") forces a lower one (tests, --isa), and the best the CPU has is used when it
+    lacks the one asked for."""
     return ISAS[_lib.pinfer_sparse_isa(-1 if want is None else ISAS.index(want))]
+
+
+def isas_ran(clear=True):
+    """The instruction sets (ISAS' names) whose kernel code ran since they were last cleared, and
+    clear them: tests force one with sparse_isa and check that every kernel ran it and none above."""
+    mask = _lib.pinfer_isa_ran(int(clear))
+    return [isa for i, isa in enumerate(ISAS) if mask >> i & 1]
 
 
 class SparseFFN:
@@ -309,7 +319,7 @@ class SparseFFN:
         if d % 32 or n_ff % 32:
             raise ValueError(f"n_ff {n_ff} and d_model {d} must be multiples of 32")
         if d > MAX_D:
-            raise ValueError(f"d_model {d} is over the sparse FFN's {MAX_D} (MAX_D in ffn_sparse.c)")
+            raise ValueError(f"d_model {d} is over the sparse FFN's {MAX_D} (MAX_D in csrc/quants.h)")
         if act not in ACTIVATIONS:
             raise ValueError(f"the sparse FFN takes the activations {', '.join(ACTIVATIONS)}, not {act}")
         self.n_ff, self.d, self.threads = n_ff, d, threads

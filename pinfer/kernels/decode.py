@@ -20,7 +20,7 @@ class _Linear(ctypes.Structure):
 
 
 class _Cols(ctypes.Structure):
-    """cols_t of dots.h: a weight by columns, or q None."""
+    """cols_t of csrc/quants.h: a weight by columns, or q None."""
     _fields_ = [("fmt", ctypes.c_int), ("q", P), ("scale", P), ("min", P), ("thr", F32)]
 
 

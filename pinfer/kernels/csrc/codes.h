@@ -1,7 +1,7 @@
 /* The numbers pinfer/kernels/__init__.py passes the kernels, in one place: ffn_down.c, ffn_sparse.c,
- * decode.c and cuda/ffn_hot.cu (NVRTC gets this file as "codes.h") include it; pinfer_abi
- * (ffn_sparse.c) reports each by name, and Python checks its own table against them when it loads
- * the library. Plain C without includes, for NVRTC. */
+ * decode.c, quants.h (so the primitives' units) and cuda/ffn_hot.cu (NVRTC gets this file as
+ * "codes.h") include it; pinfer_abi (ffn_sparse.c) reports each by name, and Python checks its own
+ * table against them when it loads the library. Plain C without includes, for NVRTC. */
 #ifndef PINFER_CODES_H
 #define PINFER_CODES_H
 
