@@ -45,10 +45,17 @@ test: install
 fuzz: install
 	PINFER_FUZZ_EXAMPLES=20000 $(PY) -m pytest tests/test_fuzz.py tests/test_hostile_inputs.py -W ignore
 
-# Compares with llama.cpp; builds llama-cpp-python (about 10 minutes) in its own venv. Not in CI.
+# Compares with llama.cpp (python -m benchmarks: decode, prompt, memory and quality suites, one
+# result file each under benchmarks/results/), then renders docs/benchmarks.md from those files.
+# Builds llama-cpp-python (about 10 minutes) in its own venv where it is missing. Not in CI.
+LLAMA_PY := .venv-llama/bin/python
 bench: install $(SMOLLM2)
-	$(PYTHON) -m venv .venv-llama && .venv-llama/bin/pip install -q llama-cpp-python numpy
-	$(PY) benchmarks/smollm2_vs_llamacpp.py --model $(SMOLLM2) --llama-python .venv-llama/bin/python --q4-0
+	test -x $(LLAMA_PY) || ($(PYTHON) -m venv .venv-llama && .venv-llama/bin/pip install -q llama-cpp-python numpy)
+	$(PY) -m benchmarks run decode --model $(SMOLLM2) --llama-python $(LLAMA_PY) --q4-0
+	$(PY) -m benchmarks run prompt --model $(SMOLLM2) --llama-python $(LLAMA_PY)
+	$(PY) -m benchmarks run memory --model $(SMOLLM2) --llama-python $(LLAMA_PY)
+	$(PY) -m benchmarks run quality --model $(SMOLLM2) --llama-python $(LLAMA_PY)
+	$(PY) -m benchmarks render
 
 clean:
 	rm -rf $(VENV) build *.egg-info pinfer/kernels/*.so

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-WIKITEXT = ROOT / "tests" / "data" / "wikitext-2-raw-test.txt"
+from harness import WIKITEXT  # benchmarks/ is on sys.path (benchmarks/__init__.py)
 
 
 def open_source(path):

@@ -19,11 +19,12 @@ level.
 import argparse
 import gc
 import statistics
-import time
 from pathlib import Path
 
-from smollm2_vs_llamacpp import WIKITEXT, pinfer_decode, text_ids
+from harness import WIKITEXT  # benchmarks/ is on sys.path (benchmarks/__init__.py)
+from harness.protocol import alternate, text_ids
 
+from pinfer.runtime.bench import decode_rate
 from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.perplexity import perplexity
 from pinfer.runtime.tokenizer import Tokenizer
@@ -49,16 +50,16 @@ def quality(path, levels, chunks, threads, text):
 
 
 def speed(path, levels, threads, tokens, repeats):
-    """{level: [tok/s per round]} at one thread count, every level loaded, in turn."""
+    """{level: [tok/s per round]} at one thread count, every level loaded, in turn (the harness's
+    alternation, 0.2 s idle before each run)."""
     models = {lv: Model(path, options(lv, threads)) for lv in levels}
     feed = text_ids(models[levels[0]], 5 + tokens)
-    runs = {lv: [] for lv in levels}
     for m in models.values():
-        pinfer_decode(m, 16, feed)                  # warm-up
-    for r in range(repeats):
-        for lv in (levels if r % 2 == 0 else levels[::-1]):
-            time.sleep(0.2)
-            runs[lv].append(pinfer_decode(models[lv], tokens, feed))
+        decode_rate(m, 16, feed[:5], feed[5:])          # warm-up
+    runs, failed = alternate({lv: (lambda m=m: decode_rate(m, tokens, feed[:5], feed[5:])) for lv, m in models.items()},
+                             repeats, settle=0.2)
+    if failed:
+        raise SystemExit(f"a level failed: {failed}")
     models = None
     gc.collect()
     return runs

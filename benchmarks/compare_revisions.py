@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, WIKITEXT  # benchmarks/ is on sys.path (benchmarks/__init__.py)
+
 PACKAGES = ("formats", "converter", "runtime", "cli")
 
 
@@ -106,7 +107,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rev")
     ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--text", type=Path, default=ROOT / "tests" / "data" / "wikitext-2-raw-test.txt")
+    ap.add_argument("--text", type=Path, default=WIKITEXT)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--speed-only", action="store_true", help="skip perplexity and greedy (large models)")

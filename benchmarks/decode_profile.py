@@ -14,14 +14,11 @@ The rate here is not a benchmark: benchmarks/smollm2_vs_llamacpp.py is.
 
 import argparse
 import os
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def kind_of(step):

@@ -5,6 +5,7 @@ llama.cpp runs: OMP_WAIT_POLICY=PASSIVE once made its 2-thread decode slower tha
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -16,39 +17,74 @@ def clean_env():
     return {k: os.environ[k] for k in PASSED if k in os.environ}
 
 
-def llamacpp(py, what, gguf, threads, *positional, **args):
-    """One call of llamacpp_side.py (`what`: decode, perplexity, greedy, score) in the interpreter
-    `py`; its JSON result. positional: after the model (perplexity's text file); args: further
-    options, -x for one letter, --name otherwise."""
-    cmd = [str(py), str(SIDE), what, str(gguf), *map(str, positional), "--threads", str(threads)]
-    cmd += [x for k, v in args.items() for x in (f"--{k}" if len(k) > 1 else f"-{k}", str(v))]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=clean_env())
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 class EngineFailed(RuntimeError):
     """The other engine's process died or answered nothing: a benchmark reports it as a result."""
 
 
+def exit_status(rc):
+    """How a process ended, in words: "status 3", "status -11 (a segmentation fault)"."""
+    if rc is not None and rc < 0:
+        try:
+            name = {signal.SIGSEGV: "a segmentation fault", signal.SIGABRT: "an abort", signal.SIGKILL:
+                    "killed"}.get(-rc) or signal.Signals(-rc).name
+        except ValueError:
+            name = "a signal"
+        return f"status {rc} ({name})"
+    return f"status {rc}"
+
+
+def _start(cmd, **kw):
+    """Popen/run of llama.cpp's side in its own environment; a Python that cannot start is an
+    EngineFailed too (a missing or broken --llama-python)."""
+    runner = kw.pop("runner")
+    try:
+        return runner(cmd, text=True, env=clean_env(), **kw)
+    except OSError as e:
+        raise EngineFailed(f"llama.cpp's Python {cmd[0]} did not start: {e.strerror or e}") from None
+
+
+def _ubatch(ubatch):
+    return [] if ubatch is None else ["--ubatch", str(ubatch)]
+
+
+def llamacpp(py, what, gguf, threads, *positional, ubatch=None, **args):
+    """One call of llamacpp_side.py (`what`: decode, perplexity, greedy, score, load, info) in the
+    interpreter `py`; its JSON result. positional: after the model (perplexity's text file); ubatch:
+    llama.cpp's n_ubatch (None: llama-cpp-python's default); args: further options, -x for one
+    letter, --name otherwise. A process that dies or prints no JSON raises EngineFailed."""
+    cmd = [str(py), str(SIDE), what, str(gguf), *map(str, positional), "--threads", str(threads), *_ubatch(ubatch)]
+    cmd += [x for k, v in args.items() for x in (f"--{k}" if len(k) > 1 else f"-{k}", str(v))]
+    out = _start(cmd, runner=subprocess.run, capture_output=True)
+    lines = out.stdout.strip().splitlines()
+    if out.returncode or not lines:
+        last = (out.stderr.strip().splitlines() or [""])[-1][:200]
+        raise EngineFailed(f"llama.cpp's {what} exited with {exit_status(out.returncode)}" + (f": {last}" if last else ""))
+    return json.loads(lines[-1])
+
+
 class LlamaWorker:
     """A warm llama.cpp process (llamacpp_side.py worker) on one model and thread count. A worker
-    that dies (llama.cpp segfaults on some CPUs) raises EngineFailed with its exit status."""
+    that dies (llama.cpp segfaults on some CPUs) raises EngineFailed with its exit status.
+    n_ubatch: what llama.cpp took (ubatch None: llama-cpp-python's default)."""
 
-    def __init__(self, py, gguf, threads, ctx=512):
-        self.proc = subprocess.Popen([str(py), str(SIDE), "worker", str(gguf), "--threads", str(threads),
-                                      "--ctx", str(ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env=clean_env())
-        if not self._answer().get("ready"):
+    def __init__(self, py, gguf, threads, ctx=512, ubatch=None):
+        self.proc = _start([str(py), str(SIDE), "worker", str(gguf), "--threads", str(threads), "--ctx", str(ctx),
+                            *_ubatch(ubatch)], runner=subprocess.Popen,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        ready = self._answer()
+        if not ready.get("ready"):
             raise EngineFailed("llama.cpp's worker did not start")
+        self.n_ubatch = ready.get("n_ubatch")
 
     def _answer(self):
         line = self.proc.stdout.readline()
         if not line:
             rc = self.proc.wait(30)
-            raise EngineFailed(f"llama.cpp's worker exited with status {rc}"
-                               + (" (a segmentation fault)" if rc == -11 else ""))
-        return json.loads(line)
+            raise EngineFailed(f"llama.cpp's worker exited with {exit_status(rc)}")
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            raise EngineFailed(f"llama.cpp's worker answered {line.strip()[:100]!r}, not JSON") from None
 
     def _ask(self, line):
         try:
@@ -71,15 +107,17 @@ class LlamaWorker:
             self.proc.stdin.close()
         except BrokenPipeError:
             pass
-        self.proc.wait(30)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def quantize(py, src, dst, qtype):
     """dst: src re-quantized to qtype (e.g. Q4_0, Q4_K_M) by llama.cpp's own quantizer."""
     partial = Path(str(dst) + ".partial")
-    cmd = [str(py), str(SIDE), "quantize", str(src), str(partial), "--type", qtype, "--threads", "2"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=clean_env())
-    if json.loads(out.stdout.strip().splitlines()[-1])["rc"] != 0:
+    if llamacpp(py, "quantize", src, 2, partial, type=qtype)["rc"] != 0:
         raise RuntimeError(f"llama.cpp could not quantize {src} to {qtype}")
     partial.rename(dst)
     return dst
@@ -89,17 +127,3 @@ def llamacpp_info(py):
     """llama-cpp-python's version and llama.cpp's build flags (llama_print_system_info)."""
     return llamacpp(py, "info", "-", 1)
 
-
-def machine():
-    """The CPU's model name, core count and the vector extensions that matter here."""
-    flags, name = set(), "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and name == "unknown CPU":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni") if f in flags]
-    return f"{name}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX2'}"

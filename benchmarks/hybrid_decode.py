@@ -23,8 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from synthetic_decode import CACHE, SHAPES, decode_rate, draws, power_law, synthetic_model  # noqa: E402
+from synthetic_decode import CACHE, SHAPES, decode_rate, draws, power_law, synthetic_model  # see benchmarks/__init__.py
 
 
 def main(argv=None):

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 from engines import llamacpp, llamacpp_info, quantize
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness import WIKITEXT
 
 
 def gguf_types(path):
@@ -47,7 +46,7 @@ def main(argv=None):
     ap.add_argument("source", type=Path)
     ap.add_argument("--type", default="Q4_K_M")
     ap.add_argument("--llama-python", type=Path, required=True, help="a Python with llama-cpp-python")
-    ap.add_argument("--text", type=Path, default=ROOT / "tests" / "data" / "wikitext-2-raw-test.txt")
+    ap.add_argument("--text", type=Path, default=WIKITEXT)
     ap.add_argument("--chunks", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)

@@ -6,8 +6,14 @@
   python benchmarks/llamacpp_side.py score MODEL.gguf --ids 504,3575,...
   python benchmarks/llamacpp_side.py decode MODEL.gguf --threads 1 -n 128
   python benchmarks/llamacpp_side.py worker MODEL.gguf --threads 1     # then "decode N" lines on stdin
+  python benchmarks/llamacpp_side.py load MODEL.gguf --threads 2 -n 8   # one load's memory and a short decode
   python benchmarks/llamacpp_side.py info -                             # version and build flags
   python benchmarks/llamacpp_side.py quantize SRC.gguf DST.gguf --type Q4_0
+
+--ubatch N sets llama.cpp's n_ubatch (its physical batch: how many tokens one evaluation takes at
+most); without it llama-cpp-python's default (512, capped at n_batch). On AMX Xeons this build's
+batched evaluation (n_ubatch above 1) segfaults; `--ubatch 1` evaluates a prompt token by token.
+Nothing here imports pinfer: it runs in llama-cpp-python's own environment.
 """
 
 import argparse
@@ -19,9 +25,13 @@ import numpy as np
 from llama_cpp import Llama
 
 
+UBATCH = None       # --ubatch: llama.cpp's n_ubatch, None for llama-cpp-python's default
+
+
 def load(path, ctx, threads, logits_all=False):
+    extra = {} if UBATCH is None else {"n_ubatch": UBATCH}
     return Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads, n_batch=ctx,
-                 logits_all=logits_all, verbose=False)
+                 logits_all=logits_all, verbose=False, **extra)
 
 
 def last_logits(llm):
@@ -107,7 +117,7 @@ def worker(a):
     llm = load(a.model, a.ctx, a.threads)
     prompt = llm.tokenize(b"The capital of France is", add_bos=False)
     decode_loop(llm, prompt, 16)
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "n_ubatch": llm.context_params.n_ubatch}), flush=True)
     for line in sys.stdin:
         what, *args = line.split()
         if what == "prompt":
@@ -121,6 +131,20 @@ def worker(a):
             dt = decode_loop(llm, prompt, n)
         print(json.dumps({"tokens": n, "seconds": dt, "tok_s": n / dt}), flush=True)
     return None
+
+
+def load_once(a):
+    """One load in this (fresh) process, its memory, then a greedy decode of -n tokens after a
+    5-token prompt, one token a call: load seconds, VmRSS/VmHWM/RssAnon/RssFile after load, the peak
+    after decode, tok/s (benchmarks' memory suite; mmap as llama.cpp's default)."""
+    from harness.record import MEMORY_PROMPT, process_memory     # benchmarks/ is this script's folder
+    t0 = time.perf_counter()
+    llm = load(a.model, a.ctx, a.threads)
+    seconds = time.perf_counter() - t0
+    mem = process_memory()
+    dt = decode_loop(llm, MEMORY_PROMPT, a.n)
+    return {"load_s": seconds, **mem, "peak_after_decode": process_memory()["VmHWM"], "tok_s": a.n / dt,
+            "n_ubatch": llm.context_params.n_ubatch}
 
 
 def info(a):
@@ -143,7 +167,7 @@ def quantize(a):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["perplexity", "greedy", "score", "decode", "worker", "info", "quantize"])
+    p.add_argument("what", choices=["perplexity", "greedy", "score", "decode", "worker", "load", "info", "quantize"])
     p.add_argument("model")
     p.add_argument("text", nargs="?")
     p.add_argument("--ctx", type=int, default=512)
@@ -152,9 +176,12 @@ def main():
     p.add_argument("--ids", default="")
     p.add_argument("-n", type=int, default=64)
     p.add_argument("--type", default="Q4_0")
+    p.add_argument("--ubatch", type=int, default=None, help="llama.cpp's n_ubatch (default: llama-cpp-python's)")
     a = p.parse_args()
+    global UBATCH
+    UBATCH = a.ubatch
     out = {"perplexity": perplexity, "greedy": greedy, "score": score, "decode": decode, "worker": worker,
-           "info": info, "quantize": quantize}[a.what](a)
+           "load": load_once, "info": info, "quantize": quantize}[a.what](a)
     if out is not None:
         print(json.dumps(out))
 

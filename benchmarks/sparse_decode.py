@@ -18,28 +18,23 @@ and scores the same token ids teacher-forced in one batch.
 import argparse
 import math
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
-import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
+import engines  # benchmarks/ is on sys.path (benchmarks/__init__.py)
 
+from pinfer.runtime import bench
 from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.perplexity import log_softmax_at
 from pinfer.runtime.tokenizer import Tokenizer
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "wikitext-2-raw-test.txt"
+from harness import WIKITEXT as DEFAULT_TEXT  # benchmarks/ is on sys.path (benchmarks/__init__.py)
 
 
 def decode_rate(model, prompt, tokens):
-    model.reset()
-    model.forward(prompt)
-    ids = list(range(1000, 1000 + tokens))
-    t = time.perf_counter()
-    for tok in ids:
-        model.forward([tok])
-    return tokens / (time.perf_counter() - t)
+    """tok/s of `tokens` steps fed ids 1000, 1001, ... after `prompt` (runtime.bench's loop)."""
+    return bench.decode_rate(model, tokens, prompt, list(range(1000, 1000 + tokens)))
 
 
 def decode_ppl(model, ids):

@@ -21,7 +21,7 @@ from pinfer.runtime.model import Model, RuntimeOptions
 from pinfer.runtime.perplexity import perplexity
 from pinfer.runtime.tokenizer import Tokenizer
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "wikitext-2-raw-test.txt"
+from harness import WIKITEXT as DEFAULT_TEXT  # benchmarks/ is on sys.path (benchmarks/__init__.py)
 
 
 def non_ffn_bytes(reader, cfg):

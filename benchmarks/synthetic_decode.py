@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-import engines  # noqa: E402  benchmarks/ is on sys.path when a script here runs
+import engines  # benchmarks/ is on sys.path (benchmarks/__init__.py)
 
 SHAPES = {  # d_model, n_ff, n_head, vocab
     "7b": (4096, 11008, 32, 32000),
@@ -313,13 +313,10 @@ def draws(p, n_layer, n_tokens, rng):
 
 
 def decode_rate(model, tokens):
-    model.reset()
-    model.forward([1, 500, 600, 700])
-    model.counters.reset()          # the bytes column counts decode steps only
-    t = time.perf_counter()
-    for k in range(tokens):
-        model.forward([300 + k])
-    return tokens / (time.perf_counter() - t)
+    """tok/s of `tokens` steps fed ids 300, 301, ... after a 4-token prompt (runtime.bench's loop;
+    the model's counters, so the bytes column, count the decode steps only)."""
+    from pinfer.runtime.bench import decode_rate as steps
+    return steps(model, tokens, [1, 500, 600, 700], [300 + k for k in range(tokens)])
 
 
 def prompt_rate(model, n, kernel):
