@@ -17,12 +17,9 @@ from .sparse import LayerFfn, input_threshold
 def column_ffn(model, i, levels):
     """Layer i's FFN by columns at activation sparsity `levels` ({projection: level}, as
     sparse.activation_levels gives them): its gate/up rows transposed into their own copy (the map's
-    pages let go), down_t read as it is. Raises ValueError, one sentence, where the layer or the
-    options cannot run so."""
-    r, cfg, opt = model.reader, model.cfg, model.options
-    if opt.kernels == "off" or model.devices.ffn != "cpu" or model.devices.on_device:
-        raise ValueError("activation sparsity runs through pinfer's CPU kernels; drop --ffn-kernel off and "
-                         "run the FFN on the CPU (--device cpu)")
+    pages let go), down_t read as it is (plan.decide checks the options). Raises ValueError, one
+    sentence, where the file has no thresholds."""
+    r, cfg = model.reader, model.cfg
     tx, th = (input_threshold(r.header, i, p, levels[p]) for p in ("gate_up", "down"))
     base = S.FFN_GATE_UP.format(i)
     fmt, parts = r.block(base)
@@ -41,10 +38,10 @@ def column_ffn(model, i, levels):
 DENSE_TIMING_MAX_ATTN_BYTES = 256 << 20
 
 
-def times_dense(model, layer):
+def times_dense(model, layer, native_attention):
     """Whether --ffn-kernel auto times a dense layer's kernel (plan.Layer) against the graph (see
-    above; where the C kernels take the attention (native.py) there is no second copy)."""
-    if layer.native is not None or not isinstance(layer.down, MatMulDown):
+    above; where the C kernels take the attention, native_attention, there is no second copy)."""
+    if native_attention or not isinstance(layer.down, MatMulDown):
         return True
     tensors = model.reader.header["tensors"]
     attn = sum(e["nbytes"] for name, e in tensors.items() if name.startswith("blk.") and ".attn_" in name)

@@ -2,8 +2,11 @@
 path (a LayerPlan: where its attention and FFN run, with the reason); a Layer holds that plan and
 the objects that run it, one per layer in model.layers. The load builds the layers here, and every
 later change (the rules, the load's timing, the graphs kept or let go) makes new Layers here: no
-other module assigns a model's layers (tests/test_imports.py), and what decide() says is what the
-path note says (note())."""
+other module assigns a model's layers (tests/test_imports.py), the objects follow the plans (a
+C attention step only where the plan runs the attention through the kernels), and what decide()
+says is what the path note says (note()). Two choices are the model's, not a layer's: whether it
+holds one copy of its weights (loading.one_copy) and which prompts take the kernels' batch calls
+(autotune.choose_prefill, drop_graphs)."""
 
 import math
 from dataclasses import dataclass, replace
@@ -68,9 +71,10 @@ def attention_refusal(model, i=None):
     dv = model.devices
     if model.options.dense_kernel != "on":
         return "--dense-kernel off"
-    if dv.act_at != "cpu" or dv.act_dtype != np.float32:
+    why = native.refusal(model.reader, model.cfg, i)
+    if why is None and (dv.act_at != "cpu" or dv.act_dtype != np.float32):
         return "the dense part is not on the CPU in float32"
-    return native.refusal(model.reader, model.cfg, i)
+    return why
 
 
 def head(model):
@@ -80,17 +84,26 @@ def head(model):
 
 def decide(model, i, layer):
     """Layer i's LayerPlan from the options, the file, its rule, the load's timing (layer.chosen) and
-    what its kernel refused (layer.refusal): the one place a layer's path is chosen. Raises
+    what its kernel refused (layer.refusal): the one place a layer's path is chosen. A layer whose
+    FFN runs in its ONNX graph runs its attention there too (the graph computes both). Raises
     ValueError, one sentence, for options that cannot run together."""
+    ffn_path = _ffn_path(model, i, layer)
     why = attention_refusal(model, i)
-    attn = ("graph", why) if why else ("kernels", _columns_said(model, layer.native))
-    return LayerPlan(*attn, *_ffn_path(model, i, layer))
+    if why is None and ffn_path[0] == "graph":
+        why = "the layer's FFN runs in its ONNX graph, which computes the attention too"
+    attn = ("graph", why) if why else ("kernels", _columns_said(model, i))
+    return LayerPlan(*attn, *ffn_path)
 
 
-def _columns_said(model, step):
-    if not model.options.activation or step is None:
+def _columns_said(model, i):
+    """How layer i's C attention runs its projections under activation sparsity (native.columns: by
+    columns where the weight is q4 and its level above 0), or ""."""
+    act = model.options.activation
+    if not act:
         return ""
-    return _COLUMNS[tuple(c.q is not None for c in step.cols)]
+    levels, weights = activation_levels(model.reader.header, act), model.reader.header["weights"]
+    return _COLUMNS[tuple(weights.get(base.format(i)) == "q4" and bool(levels[proj])
+                          for base, proj in ((S.ATTN_QKV, "qkv"), (S.ATTN_OUT, "o")))]
 
 
 def _ffn_path(model, i, layer):
@@ -101,6 +114,9 @@ def _ffn_path(model, i, layer):
     mode = layer.rule.rule.mode
     act = opt.activation and activation_levels(r.header, opt.activation)
     if act:
+        if opt.kernels == "off" or dv.ffn != "cpu" or dv.on_device:
+            raise ValueError("activation sparsity runs through pinfer's CPU kernels; drop --ffn-kernel off and "
+                             "run the FFN on the CPU (--device cpu)")
         if mode not in ("dense", "down"):
             raise ValueError(f"activation sparsity replaces the dense and down rules, not {layer.rule.rule.name}; "
                              "pass --sparsity dense with it")
@@ -120,7 +136,7 @@ def _ffn_path(model, i, layer):
     if mode == "dense" and not act and not device:
         if opt.kernels == "on":
             return "graph", mode, "--ffn-kernel on takes sparse layers; dense ones run ONNX Runtime's dense path"
-        if not ffn.times_dense(model, layer):
+        if not ffn.times_dense(model, layer, attention_refusal(model, i) is None):
             return "graph", mode, ("ONNX Runtime's dense path: timing the kernel against it would hold a second copy "
                                    "of the attention weights (ffn.times_dense)")
     return "kernel", mode, ""
@@ -151,7 +167,7 @@ def _ffn(model, i, layer):
 
 def build(model):
     """model.layers at load, before any rule: the layer graphs and down projections (none where the
-    model holds one copy: loading.one_copy) and the C attention steps where decide() takes them."""
+    model holds one copy: loading.one_copy). The C attention steps follow the plans (place)."""
     r, cfg, dv, n = model.reader, model.cfg, model.devices, model.cfg.n_layer
     if model.one_copy:
         graphs = downs = [None] * n
@@ -160,12 +176,27 @@ def build(model):
         graphs = model.load_map(lambda i: dv.session(S.LAYER_GRAPH.format(i), model.threads,
                                                      attention_only=dv.on_device), n)
         downs = [None] * n if dv.on_device else model.load_map(lambda i: ffn.down_projection(r, cfg, i, model.threads), n)
-    kernels = {i for i in range(n) if attention_refusal(model, i) is None}
-    steps = native.attention_steps(r, cfg, model.threads, model.load_map, kernels, model.options.activation,
-                                   model.counters.attn_kept)
-    model.layers = [Layer(graph=g, down=d, native=s, attn=g if dv.on_device else None)   # on a device the
-                    for g, d, s in zip(graphs, downs, steps)]                             # graphs are attention only
+    model.layers = [Layer(graph=g, down=d, attn=g if dv.on_device else None)   # on a device the graphs are
+                    for g, d in zip(graphs, downs)]                             # attention only
     model.attention.bind(graphs)
+
+
+def _attention(model):
+    """The C attention steps of the layers whose plans run their attention through the kernels,
+    made where missing, and let go where a plan no longer does; the attention-only sessions of the
+    layers whose FFN runs through a kernel but whose attention the C kernels do not take."""
+    r, cfg, dv, n = model.reader, model.cfg, model.devices, model.cfg.n_layer
+    want = {i for i, L in enumerate(model.layers) if L.plan.attention == "kernels" and L.native is None}
+    steps = native.attention_steps(r, cfg, model.threads, model.load_map, want, model.options.activation,
+                                   model.counters.attn_kept) if want else [None] * n
+    model.layers = [replace(L, native=steps[i] if i in want else L.native if L.plan.attention == "kernels" else None)
+                    for i, L in enumerate(model.layers)]
+    sessions = {i for i, L in enumerate(model.layers) if L.attn is None and L.plan.ffn != "graph"
+                and L.plan.attention == "graph"}
+    if sessions and not dv.on_device and not model.one_copy:
+        model.layers = model.load_map(lambda i: replace(model.layers[i], attn=dv.session(
+            S.LAYER_GRAPH.format(i), model.threads, attention_only=True)) if i in sessions else model.layers[i], n)
+        model.attention.bind([L.attn for L in model.layers])
 
 
 def set_rules(model, override=""):
@@ -182,6 +213,7 @@ def set_rules(model, override=""):
         for c in chosen:
             if c.tokens and c.path != "kernel":
                 _run_dense(model, c.which, c.path)
+        _attention(model)       # a layer now dense in its graph runs its attention there
         model.path_choices = list(chosen)
         model.unbind()
         if any(L.ffn for L in model.layers):
@@ -216,11 +248,9 @@ def place(model, rules=None, hotness=None):
         ensure_graphs(model)
     if split:
         dv.report(model.plan)
-    if any(L.ffn for L in model.layers) and all(L.attn is None for L in model.layers) and not model.one_copy:
-        model.layers = model.load_map(lambda i: replace(model.layers[i], attn=None if model.layers[i].native else
-                                                        dv.session(S.LAYER_GRAPH.format(i), model.threads,
-                                                                   attention_only=True)), n)
-        model.attention.bind([L.attn for L in model.layers])
+    _attention(model)
+    if rules is None:
+        note(model)
     model.prefill_by_token, model.prefill_times = 0, []
     model.unbind()      # the bound steps call the rules and kernels
 

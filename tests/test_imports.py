@@ -108,18 +108,36 @@ PLANNER = ROOT / "runtime" / "plan.py"
 
 
 def _layer_list_assignments(path):
-    """(line, target) of each assignment in `path` to x.<list> or x.<list>[...] for a Model's
-    per-layer lists (self.<list> too in runtime/model.py, the Model's own module)."""
+    """(line, target) of each change in `path` to x.<list> or x.<list>[...] for a Model's per-layer
+    lists (self.<list> too in runtime/model.py, the Model's own module): an assignment (also inside
+    a tuple), an augmented one, a del, a mutating call (append, extend, insert, pop, clear, remove)
+    or setattr(x, "<list>", ...)."""
     model = path.name == "model.py" and path.parent.name == "runtime"
+
+    def hit(t):
+        t = t.value if isinstance(t, ast.Subscript) else t
+        return isinstance(t, ast.Attribute) and t.attr in LAYER_LISTS and (model or not (
+            isinstance(t.value, ast.Name) and t.value.id == "self")) and t
+
+    def flat(targets):
+        for t in targets:
+            if isinstance(t, (ast.Tuple, ast.List)):
+                yield from flat(t.elts)
+            else:
+                yield t.value if isinstance(t, ast.Starred) else t
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        targets = node.targets if isinstance(node, ast.Assign) else \
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
             [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-        for t in targets:
-            t = t.value if isinstance(t, ast.Subscript) else t
-            if isinstance(t, ast.Attribute) and t.attr in LAYER_LISTS and (model or not (
-                    isinstance(t.value, ast.Name) and t.value.id == "self")):
-                out.append((node.lineno, ast.unparse(t)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "append", "extend", "insert", "pop", "clear", "remove"):
+            targets = [node.func.value]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and \
+                len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in LAYER_LISTS:
+            out.append((node.lineno, f"setattr(..., {node.args[1].value!r})"))
+        for t in flat(targets):
+            if (a := hit(t)):
+                out.append((node.lineno, ast.unparse(a)))
     return out
 
 
@@ -140,8 +158,12 @@ def test_the_planner_check_sees_an_assignment(tmp_path):
     """The check above finds what it looks for (a model's list assigned whole, by index, augmented)."""
     f = tmp_path / "m.py"
     f.write_text("def f(model, i):\n    model.ffns[i] = None\n    model.layers = []\n    model.rules += []\n"
-                 "    self.ffns = []\n    a.b = 1\n")
-    assert [t for _, t in _layer_list_assignments(f)] == ["model.ffns", "model.layers", "model.rules"]
+                 "    self.ffns = []\n    a.b = 1\n    x, (model.downs, *model.attn) = 1, (2, 3)\n"
+                 "    model.layers.append(1)\n    del model.native[0]\n    setattr(model, 'layers', [])\n"
+                 "    model.other.append(1)\n")
+    assert sorted(t for _, t in _layer_list_assignments(f)) == sorted([
+        "model.ffns", "model.layers", "model.rules", "model.downs", "model.attn", "model.layers", "model.native",
+        "setattr(..., 'layers')"])
     (tmp_path / "runtime").mkdir()
     g = tmp_path / "runtime" / "model.py"
     g.write_text("class Model:\n    def f(self):\n        self.layers = []\n")

@@ -115,7 +115,7 @@ def test_native_layer_step_matches_the_attention_session(gguf_file):
     """One layer's C call against its attention-only ONNX Runtime session on the same inputs and
     cache: the residual, the FFN's input and the K/V written at the position."""
     qtype, path = gguf_file
-    m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", kv_type="f32"))
+    m = Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kv_type="f32"))  # the FFN's kernel: the C attention
     m.forward(IDS[:5])
     m.bind_activations(1)
     st, rng = m.steps, np.random.default_rng(0)
@@ -149,7 +149,7 @@ def test_f16_cache_holds_the_f32_values_rounded_to_nearest_even(gguf_file, isa):
     relative; 1e-3 of the largest output is twice that)."""
     qtype, path = gguf_file
     sparse_isa(isa)
-    models = {kv: Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kernels="off", kv_type=kv))
+    models = {kv: Model(path, RuntimeOptions(threads=1, n_ctx=64, device="cpu", kv_type=kv))
               for kv in ("f16", "f32")}       # f16 first: the f32 cache takes its earlier positions
     rng = np.random.default_rng(1)
     inputs = rng.standard_normal((2, 1, 1, models["f32"].cfg.d_model)).astype(np.float32)

@@ -75,14 +75,14 @@ def test_a_sparse_rule_brings_the_graphs_back(silu_file, monkeypatch):
     gu = [L.ffn for L in m.layers][0].kernel.keep[0][1]["q"]
     assert not np.shares_memory(gu, m.reader.tensor("blk.0.ffn_gate_up.q"))
     # timed against the layer graphs, so they were made (whether they stay after the load depends on
-    # which prompt route wins the timing: loading.drop_graphs)
+    # which prompt route wins the timing: plan.drop_graphs)
     assert not m.one_copy and m.path_choices and all(c.tokens > 0 for c in m.path_choices)
     assert np.isfinite(_run(m)).all()
 
 
 def test_a_layer_the_kernel_refuses_after_all_brings_the_graphs_back(silu_file, monkeypatch):
     """loading.one_copy reads the file; the kernel may still refuse a layer when it is built (a
-    format it lacks: fused_ffn then gives None). The graphs are made, and that layer runs on them."""
+    format it lacks: the planner then plans the graph). The graphs are made, and that layer runs on them."""
     from pinfer.runtime import ffn
     real = ffn.layer_kernel
 
@@ -95,7 +95,8 @@ def test_a_layer_the_kernel_refuses_after_all_brings_the_graphs_back(silu_file, 
     assert not m.one_copy and [L.ffn for L in m.layers][1] is None and all(s is not None for s in [L.graph for L in m.layers])
     assert not any("the weights once" in n.describe() for n in m.notes)     # no one-copy memory note
     [paths] = [n.describe() for n in m.notes if n.describe().startswith("paths:")]
-    assert "layer 1: attention: C kernels; FFN: ONNX Runtime's graph (a format the kernel lacks)" in paths, paths
+    assert ("layer 1: attention: ONNX Runtime (the layer's FFN runs in its ONNX graph, which computes the attention "
+            "too); FFN: ONNX Runtime's graph (a format the kernel lacks)") in paths, paths
     assert np.isfinite(_run(m)).all()
 
 
