@@ -11,7 +11,7 @@ setup(
                      "pinfer/kernels/csrc/x86/avx2.c", "pinfer/kernels/csrc/x86/avx512.c"],
             depends=["pinfer/kernels/csrc/half.h", "pinfer/kernels/csrc/pool.h", "pinfer/kernels/csrc/quants.h",
                      "pinfer/kernels/csrc/codes.h", "pinfer/kernels/csrc/x86/avx2.h"],
-            extra_compile_args=["-O3", "-pthread", "-std=c11", "-fno-math-errno"],
+            extra_compile_args=["-O3", "-pthread", "-std=c11", "-fno-math-errno", "-ffp-contract=off"],
             extra_link_args=["-pthread"],
         )
     ]

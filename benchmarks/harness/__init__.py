@@ -3,7 +3,7 @@
     python -m benchmarks run decode|prompt|memory|quality [--model GGUF --pinf PINF ...]
     python -m benchmarks render
 
-`run` measures pinfer against llama.cpp (suites.py: decode, prompt, memory, quality) and writes
+`run` measures pinfer against llama.cpp (decode.py, prompt.py, memory.py, quality.py) and writes
 one JSON file under benchmarks/results/ (record.py: the machine, the versions, the flags, the
 commit, every run's figures, and the failures: an engine that crashes is a row saying so).
 `render` makes docs/benchmarks.md from those files and benchmarks/docs_template.md, and the plots

@@ -97,7 +97,8 @@ def measure(pinf, gguf, threads, a):
         failed.update(run_failed)
         llama_why = failed.pop("llama.cpp", llama_why)
         ours = {lv: summary(runs[lv]) if lv not in failed else failure(failed[lv]) for lv in a.activation}
-        reads = {lv: (m.weight_bytes_per_token() / 1e6, m.counters.read_fractions()) for lv, m in models.items()}
+        reads = {lv: (m.weight_bytes_per_token() / 1e6, m.counters.read_fractions()) for lv, m in models.items()
+                 if lv not in failed}
         theirs = summary(runs.get("llama.cpp", [])) if llama_why is None else failure(llama_why)
         return ours, reads, theirs
     finally:

@@ -73,6 +73,8 @@ def one_load(engine, a, threads, pinf):
                                     ctx=a.ctx, n=a.tokens)
         except engines.EngineFailed as e:
             return {"error": str(e)}
+        except (ValueError, KeyError, IndexError, subprocess.SubprocessError) as e:     # an answer it cannot read
+            return {"error": f"llama.cpp's load gave no readable result ({type(e).__name__}: {e})"[:300]}
     cmd = [sys.executable, "-m", "benchmarks", "side-memory", str(pinf), "--threads", str(threads), "--ctx",
            str(a.ctx), "--tokens", str(a.tokens), "--map", ENGINES[engine]] + (["--isa", a.isa] if a.isa else [])
     try:
@@ -82,7 +84,10 @@ def one_load(engine, a, threads, pinf):
     if out.returncode:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": f"pinfer's load exited with {engines.exit_status(out.returncode)}: {last[:200]}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"pinfer's load printed no result: {out.stdout.strip()[-200:]!r}"}
 
 
 def warm(path):

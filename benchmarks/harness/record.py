@@ -62,18 +62,25 @@ def process_memory():
 
 def git_state():
     """{commit, short, dirty, diff_sha256} of the checkout: diff_sha256 names the uncommitted
-    changes (`git diff HEAD`) a run measured, where there are any."""
+    changes (`git diff HEAD`, and the untracked files' names and bytes) a run measured, where there
+    are any. What the harness itself writes (results, the page, its plots) does not count: a run
+    of `make bench` after the first is not "uncommitted changes" for the first one's file."""
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout
 
+    own = [":(exclude)benchmarks/results", ":(exclude)docs/benchmarks.md", ":(exclude)docs/img/benchmarks"]
     try:
         commit = git("rev-parse", "HEAD").strip()
-        diff = git("diff", "HEAD")
-        untracked = git("ls-files", "--others", "--exclude-standard")
+        diff = git("diff", "HEAD", "--", ".", *own)
+        untracked = git("ls-files", "--others", "--exclude-standard", "--", ".", *own).split()
     except OSError:
         return {"commit": "unknown", "short": "unknown", "dirty": None, "diff_sha256": None}
     dirty = bool(diff or untracked)
-    digest = hashlib.sha256((diff + untracked).encode()).hexdigest()[:12] if dirty else None
+    h = hashlib.sha256(diff.encode())
+    for name in untracked:
+        path = ROOT / name
+        h.update(name.encode() + (path.read_bytes() if path.is_file() else b""))
+    digest = h.hexdigest()[:12] if dirty else None
     return {"commit": commit or "unknown", "short": commit[:7] or "unknown", "dirty": dirty, "diff_sha256": digest}
 
 

@@ -32,7 +32,11 @@ def load(folder=RESULTS):
     out = []
     for path in sorted(folder.rglob("*.json")):
         rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.relative_to(folder)
-        out.append((rel.as_posix(), json.loads(path.read_text())))
+        rec = json.loads(path.read_text())
+        if not isinstance(rec, dict) or "suite" not in rec:
+            raise SystemExit(f"{rel.as_posix()} is not a result of `python -m benchmarks run` (no suite): "
+                             "move it out of the results folder")
+        out.append((rel.as_posix(), rec))
     return out
 
 
@@ -135,7 +139,10 @@ def memory_table(rec):
         if r.get("load_s") is None:
             rows.append([r["model"], r["threads"], r["engine"], f"failed: {r.get('failed')}"] + ["—"] * 6)
             continue
-        rows.append([r["model"], r["threads"], r["engine"], scaled(r["load_s"]), scaled(r["VmRSS"], 1 / GB),
+        failed = [x for x in r.get("loads", []) if "error" in x]
+        engine = r["engine"] + (f" ({len(failed)} of {len(r['loads'])} loads failed: {failed[0]['error']})"
+                                if failed else "")
+        rows.append([r["model"], r["threads"], engine, scaled(r["load_s"]), scaled(r["VmRSS"], 1 / GB),
                      scaled(r["RssAnon"], 1 / GB), scaled(r["VmHWM"], 1 / GB), scaled(r["peak_after_decode"], 1 / GB),
                      scaled(r["tok_s"]), scaled(r["expected_bytes"], 1 / GB)])
     head = ["model", "threads", "engine", "load s", "RSS after load GB", "anonymous GB", "peak during load GB",

@@ -16,6 +16,7 @@ def _load():
     if spec is None or spec.origin is None:
         raise ImportError("pinfer's C kernels are not built; reinstall with `pip install -e .`")
     lib = ctypes.CDLL(spec.origin)
+    check_abi(lib)      # first: a library built from other sources gets one sentence, not a missing symbol
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pinfer_down.argtypes = [c_int, p, p, p, p, p, i64, i64, i64, c_int]
     lib.pinfer_down.restype = None
@@ -39,7 +40,6 @@ def _load():
     for fn in ("pinfer_attn_work", "pinfer_attn_batch", "pinfer_head_work", "pinfer_head_rows"):
         getattr(lib, fn).argtypes = [p, i64]
         getattr(lib, fn).restype = i64 if fn.endswith("_work") else c_int
-    check_abi(lib)
     return lib
 
 
