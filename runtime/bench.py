@@ -29,7 +29,7 @@ def decode_rate(model, n, prompt=(), feed=None):
     one token a call, untimed; may be empty when `feed` is given). Step i takes feed[i] where `feed`
     is given, else the argmax of the step before (greedy); the argmax is computed either way, so a
     fed run and a greedy one time the same work. The model's counters count the timed steps only."""
-    if not prompt and feed is None:
+    if len(prompt) == 0 and feed is None:
         raise ValueError("a greedy decode needs a prompt, or give the tokens to feed")
     if feed is not None and len(feed) < n:
         raise ValueError(f"{len(feed)} tokens to feed, fewer than the {n} steps")

@@ -7,8 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from pinfer.formats import schema as S
-
 from . import native
 from .placement import kernel_refusal
 

@@ -62,16 +62,25 @@ def attention_steps(reader, cfg, threads, load_map, layers, activation=0.0, kept
     return load_map(step, cfg.n_layer)
 
 
+def by_columns(reader, i, level):
+    """(q/k/v, output): whether layer i's C attention runs each projection by columns at activation
+    sparsity `level`: a q4 weight whose level is above 0 (the others by rows)."""
+    levels, weights = activation_levels(reader.header, level), reader.header["weights"]
+    return tuple(weights.get(base.format(i)) == "q4" and bool(levels[proj])
+                 for base, proj in ((S.ATTN_QKV, "qkv"), (S.ATTN_OUT, "o")))
+
+
 def columns(reader, cfg, i, level):
     """Layer i's ((qkv's rows or None, its transpose and threshold or None), the same of the output
     projection) for activation sparsity `level`: each q4 projection transposed into its own copy (the map's
     pages let go), the other formats and a projection at level 0 by rows. Raises ValueError where the file has no thresholds."""
     out, levels = [], activation_levels(reader.header, level)
-    for base, proj, rows, k in ((S.ATTN_QKV.format(i), "qkv", (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim,
-                                 cfg.d_model), (S.ATTN_OUT.format(i), "o", cfg.d_model, cfg.n_head * cfg.head_dim)):
+    for cols, (base, proj, rows, k) in zip(by_columns(reader, i, level), (
+            (S.ATTN_QKV.format(i), "qkv", (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim, cfg.d_model),
+            (S.ATTN_OUT.format(i), "o", cfg.d_model, cfg.n_head * cfg.head_dim))):
         thr = input_threshold(reader.header, i, proj, levels[proj])
         fmt, parts = reader.block(base)
-        if fmt != "q4" or not levels[proj]:
+        if not cols:
             out.append((reader.block(base, own=True), None))
             continue
         out.append((None, (*transpose_q4(fmt, parts, rows, k, huge_empty, base), thr)))

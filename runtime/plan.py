@@ -96,14 +96,9 @@ def decide(model, i, layer):
 
 
 def _columns_said(model, i):
-    """How layer i's C attention runs its projections under activation sparsity (native.columns: by
-    columns where the weight is q4 and its level above 0), or ""."""
+    """How layer i's C attention runs its projections under activation sparsity, or ""."""
     act = model.options.activation
-    if not act:
-        return ""
-    levels, weights = activation_levels(model.reader.header, act), model.reader.header["weights"]
-    return _COLUMNS[tuple(weights.get(base.format(i)) == "q4" and bool(levels[proj])
-                          for base, proj in ((S.ATTN_QKV, "qkv"), (S.ATTN_OUT, "o")))]
+    return _COLUMNS[native.by_columns(model.reader, i, act)] if act else ""
 
 
 def _ffn_path(model, i, layer):

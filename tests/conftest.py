@@ -40,6 +40,22 @@ def no_time_budget(monkeypatch):
     monkeypatch.setitem(chat_template.LIMITS, "seconds", float("inf"))
 
 
+@pytest.fixture
+def refuse_layer(monkeypatch):
+    """refuse_layer(i, why): pinfer's FFN kernel refuses layer i when built (a ValueError saying
+    `why`, as for a format it lacks), and builds the others as it does."""
+    from pinfer.runtime import ffn
+    real = ffn.layer_kernel
+
+    def refuse(layer, why):
+        def layer_kernel(model, i, mode):
+            if i == layer:
+                raise ValueError(why)
+            return real(model, i, mode)
+        monkeypatch.setattr(ffn, "layer_kernel", layer_kernel)
+    return refuse
+
+
 def map_rss(reader):
     """Resident bytes of a PinfReader's map of its file: its entry in /proc/self/smaps (Linux)."""
     import numpy as np

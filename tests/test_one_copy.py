@@ -80,17 +80,10 @@ def test_a_sparse_rule_brings_the_graphs_back(silu_file, monkeypatch):
     assert np.isfinite(_run(m)).all()
 
 
-def test_a_layer_the_kernel_refuses_after_all_brings_the_graphs_back(silu_file, monkeypatch):
+def test_a_layer_the_kernel_refuses_after_all_brings_the_graphs_back(silu_file, monkeypatch, refuse_layer):
     """loading.one_copy reads the file; the kernel may still refuse a layer when it is built (a
     format it lacks: the planner then plans the graph). The graphs are made, and that layer runs on them."""
-    from pinfer.runtime import ffn
-    real = ffn.layer_kernel
-
-    def refuse_layer_1(model, i, mode):
-        if i == 1:
-            raise ValueError("a format the kernel lacks")
-        return real(model, i, mode)
-    monkeypatch.setattr(ffn, "layer_kernel", refuse_layer_1)
+    refuse_layer(1, "a format the kernel lacks")
     m = _load(silu_file, True, monkeypatch)
     assert not m.one_copy and [L.ffn for L in m.layers][1] is None and all(s is not None for s in [L.graph for L in m.layers])
     assert not any("the weights once" in n.describe() for n in m.notes)     # no one-copy memory note

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pinfer.runtime import autotune, ffn, plan
+from pinfer.runtime import autotune, plan
 from pinfer.runtime.model import Model, RuntimeOptions
 
 
@@ -77,16 +77,10 @@ def test_handed_in_active_sets_are_planned_and_said(silu_file):
     assert "given" not in _paths_note(m)
 
 
-def test_a_kernel_that_refuses_a_layer_carries_its_reason_to_the_note(silu_file, monkeypatch):
+def test_a_kernel_that_refuses_a_layer_carries_its_reason_to_the_note(silu_file, refuse_layer):
     """No silent fallback: the kernel's ValueError is the layer's refusal, its plan's reason and the
     note's text."""
-    real = ffn.layer_kernel
-
-    def refuse_layer_0(model, i, mode):
-        if i == 0:
-            raise ValueError("layer 0's rows are in a format made up for this test")
-        return real(model, i, mode)
-    monkeypatch.setattr(ffn, "layer_kernel", refuse_layer_0)
+    refuse_layer(0, "layer 0's rows are in a format made up for this test")
     m = Model(silu_file, RuntimeOptions(threads=1, kernels="on", sparsity="down:0.3"))
     L0, L1 = m.layers
     assert L0.ffn is None and L0.refusal.startswith("layer 0's rows") and L0.plan.ffn == "graph"
